@@ -1,0 +1,27 @@
+"""packloss: sync-free, vectorised losses for LLM post-training on packed micro-batches."""
+
+from packloss.batch import PackedBatch
+from packloss.ce import ce_loss
+from packloss.component import LossFn, LossInputs, LossOutputs
+from packloss.compute import LossResult, compute_loss
+from packloss.metrics import all_reduce_metrics, merge_metrics
+from packloss.pg import DPPO, IPO, REF_KL, PGParams, pg_loss
+
+__all__ = [
+    "PackedBatch",
+    "LossInputs",
+    "LossOutputs",
+    "LossFn",
+    "LossResult",
+    "compute_loss",
+    "PGParams",
+    "pg_loss",
+    "ce_loss",
+    "DPPO",
+    "IPO",
+    "REF_KL",
+    "merge_metrics",
+    "all_reduce_metrics",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Drop-in call signatures of existing trainers, built on the packloss engine."""
