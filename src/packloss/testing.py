@@ -11,7 +11,7 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["OpCounter", "SYNC_OPS"]
+__all__ = ["OpCounter", "SYNC_OPS", "ARCHETYPES", "make_archetype", "random_seq_lens"]
 
 SYNC_OPS = frozenset(
     {
@@ -73,3 +73,89 @@ class OpCounter(TorchDispatchMode):
     @property
     def num_syncs(self) -> int:
         return sum(self.syncs.values())
+
+
+ARCHETYPES = ("hot", "weighted_grpo", "opd", "echo", "sdft", "all_empty", "dummy")
+"""The packed-bin archetypes of DESIGN.md §8 (see :func:`make_archetype`)."""
+
+
+def random_seq_lens(num_tokens: int, num_seqs: int, generator: torch.Generator) -> list[int]:
+    """``num_seqs`` positive lengths of mixed sizes summing to ``num_tokens``, one of them 1 (if S > 1)."""
+    if not 1 <= num_seqs <= num_tokens:
+        raise ValueError(f"need 1 <= num_seqs <= num_tokens, got {num_seqs} and {num_tokens}")
+    if num_seqs == 1:
+        return [num_tokens]
+    weights = torch.rand(num_seqs - 1, generator=generator) * 3 + 0.25
+    rest = num_tokens - 1 - (num_seqs - 1)  # tokens beyond one per sequence and the length-1 sequence
+    extra = torch.floor(weights / weights.sum() * rest).to(torch.long)
+    extra[0] += rest - int(extra.sum())
+    lens = [1] + [1 + int(e) for e in extra]
+    perm = torch.randperm(num_seqs, generator=generator).tolist()
+    return [lens[i] for i in perm]
+
+
+def make_archetype(
+    name: str,
+    seq_lens: list[int],
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    drift: float = 0.35,
+):
+    """A packed bin of one archetype with enough trainer/inference drift that trust regions fire.
+
+    Every sequence starts with prompt tokens outside ``loss_mask`` (about a third of it); a length-1
+    sequence is one completion token. ``trainer_logprobs`` is a leaf that requires grad.
+
+    Archetypes: ``hot`` (no weight streams) · ``weighted_grpo`` (rl weights 0/0.5/1/2, one sequence
+    all 0) · ``opd`` (rl weights 0, ref_kl 1 on the mask) · ``echo`` (rl hot path + ce 0.1 on
+    observation tokens outside the mask) · ``sdft`` (rl hot path and ref_kl on part of the mask) ·
+    ``all_empty`` (every weight 0) · ``dummy`` (mask all False, no streams).
+    """
+    from packloss.batch import PackedBatch
+
+    if name not in ARCHETYPES:
+        raise ValueError(f"unknown archetype {name!r}; choose from {ARCHETYPES}")
+    g = torch.Generator().manual_seed(seed)
+    n = sum(seq_lens)
+    p_inf = torch.rand(n, generator=g) * 0.9 + 0.05  # [N]
+    p_trn = (p_inf + (torch.rand(n, generator=g) * 2 - 1) * drift).clamp(1e-3, 1.0)
+    p_ref = (p_inf + (torch.rand(n, generator=g) * 2 - 1) * drift).clamp(1e-3, 1.0)
+    inf, trn, ref = p_inf.log(), p_trn.log(), p_ref.log()
+    adv_seq = torch.randn(len(seq_lens), generator=g)
+    advantages = torch.repeat_interleave(adv_seq, torch.tensor(seq_lens), output_size=n)
+    pos = torch.cat([torch.arange(k) for k in seq_lens])  # [N] position within its sequence
+    prompt_len = torch.repeat_interleave(torch.tensor([k // 3 for k in seq_lens]), torch.tensor(seq_lens))
+    completion = pos >= prompt_len
+    observation = completion & (torch.rand(n, generator=g) < 0.25) & (pos > prompt_len)
+    loss_mask = completion & ~observation
+    streams: dict[str, torch.Tensor | None] = {}
+    if name == "weighted_grpo":
+        choices = torch.tensor([0.0, 0.5, 1.0, 2.0])
+        w = choices[torch.randint(0, 4, (n,), generator=g)]
+        seq_ids = torch.repeat_interleave(torch.arange(len(seq_lens)), torch.tensor(seq_lens))
+        streams["rl_weights"] = torch.where(seq_ids == 0, 0.0, w)
+    elif name == "opd":
+        streams["rl_weights"] = torch.zeros(n)
+        streams["ref_kl_weights"] = loss_mask.to(torch.float32)
+    elif name == "echo":
+        streams["ce_weights"] = observation.to(torch.float32) * 0.1
+    elif name == "sdft":
+        streams["ref_kl_weights"] = (loss_mask & (torch.rand(n, generator=g) < 0.6)).to(torch.float32)
+    elif name == "all_empty":
+        streams["rl_weights"] = torch.zeros(n)
+        streams["ce_weights"] = torch.zeros(n)
+        streams["ref_kl_weights"] = torch.zeros(n)
+    elif name == "dummy":
+        loss_mask = torch.zeros(n, dtype=torch.bool)
+    needs_ref = "ref_kl_weights" in streams
+    to = dict(dtype=dtype, device=device)
+    return PackedBatch(
+        trainer_logprobs=trn.to(**to).requires_grad_(),
+        inference_logprobs=inf.to(**to),
+        loss_mask=loss_mask.to(device),
+        seq_lens=list(seq_lens),
+        advantages=advantages.to(**to),
+        ref_logprobs=ref.to(**to) if needs_ref else None,
+        **{k: v.to(**to) for k, v in streams.items()},
+    )

@@ -1,0 +1,159 @@
+"""Equivalence of the compat (vectorised) compute_loss with the per-sequence reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import CONFIGS, as_lists, bin_of, scales
+
+from packloss import reference
+from packloss.compat import prime_rl
+from packloss.compat.prime_rl import CustomLossConfig
+from packloss.testing import ARCHETYPES
+
+DPPO_KEYS = {
+    "masked_mismatch_kl",
+    "unmasked_mismatch_kl",
+    "is_masked",
+    "is_masked_low",
+    "is_masked_high",
+    "masked_advantage_positive",
+    "masked_advantage_negative",
+}
+IPO_KEYS = {"masked_mismatch_kl", "unmasked_mismatch_kl", "is_masked"}
+REF_KL_KEYS = {"ref_kl/masked_mismatch_kl", "ref_kl/unmasked_mismatch_kl", "ref_kl/is_masked", "ref_kl"}
+
+
+def expected_keys(config_name: str, batch) -> set[str]:
+    keys = set(IPO_KEYS if config_name == "ipo" else DPPO_KEYS)
+    if batch.ce_weights is not None:
+        keys.add("nll")
+    if batch.ref_kl_weights is not None:
+        keys |= REF_KL_KEYS
+    return keys
+
+
+def run_both(batch, new_fn, ref_fn):
+    trn = batch.trainer_logprobs
+    kwargs = dict(**as_lists(batch), **scales(batch))
+    loss_new, metrics_new = prime_rl.compute_loss(**kwargs, rl_loss_fn=new_fn)
+    (grad_new,) = torch.autograd.grad(loss_new, trn)
+    loss_ref, metrics_ref = reference.compute_loss(**kwargs, rl_loss_fn=ref_fn)
+    (grad_ref,) = torch.autograd.grad(loss_ref, trn)
+    return (loss_new, metrics_new, grad_new), (loss_ref, metrics_ref, grad_ref)
+
+
+def assert_loss_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert torch.allclose(a, b, rtol=1e-6, atol=1e-7), (a.item(), b.item())
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_compat_equals_reference(archetype, config_name, seed):
+    batch = bin_of(archetype, seed=seed)
+    config = CONFIGS[config_name]
+    (loss, metrics, grad), (loss_ref, metrics_ref, grad_ref) = run_both(
+        batch, prime_rl.setup_rl_loss_fn(config), reference.setup_rl_loss_fn(config)
+    )
+    assert torch.equal(grad, grad_ref)
+    assert_loss_close(loss, loss_ref)
+    assert set(metrics) == expected_keys(config_name, batch)
+    assert set(metrics_ref) <= set(metrics)
+    assert all(v.shape == (1,) for v in metrics.values())
+    if archetype in ("all_empty", "dummy"):
+        assert all(v.item() == 0 for v in metrics.values())
+
+
+@pytest.mark.parametrize("archetype", ["hot", "weighted_grpo", "echo", "sdft"])
+def test_trust_regions_fire_and_metrics_are_token_weighted(archetype, config_name):
+    """The harness is only meaningful if tokens are actually dropped; the 1-element metric is the
+    member-weighted mean of the reference's per-sequence values."""
+    batch = bin_of(archetype)
+    config = CONFIGS[config_name]
+    (_, metrics, _), (_, metrics_ref, _) = run_both(
+        batch, prime_rl.setup_rl_loss_fn(config), reference.setup_rl_loss_fn(config)
+    )
+    assert metrics["is_masked"].item() > 0
+    if config_name == "dppo_high10":  # only the low side can fire with a high threshold of 10
+        assert metrics["is_masked_high"].item() == 0 and metrics["is_masked_low"].item() > 0
+    rl_mask = batch.loss_mask if batch.rl_weights is None else batch.loss_mask & (batch.rl_weights != 0)
+    per_seq = torch.stack([m.sum() for m in torch.split(rl_mask, list(batch.seq_lens))]).float()
+    if batch.rl_weights is not None:  # the reference skips sequences with no rl members
+        per_seq = per_seq[per_seq > 0]
+    weighted = (metrics_ref["is_masked"] * per_seq).sum() / per_seq.sum()
+    assert torch.allclose(metrics["is_masked"][0], weighted, atol=1e-6)
+
+
+def test_ref_kl_component_trust_region_fires():
+    batch = bin_of("opd")
+    (_, metrics, grad), (_, _, grad_ref) = run_both(
+        batch, prime_rl.setup_rl_loss_fn(CONFIGS["dppo"]), reference.setup_rl_loss_fn(CONFIGS["dppo"])
+    )
+    assert metrics["ref_kl/is_masked"].item() > 0.05
+    assert torch.equal(grad, grad_ref)
+
+
+@pytest.mark.parametrize("archetype", ARCHETYPES)
+def test_custom_additive_loss_equals_reference(archetype):
+    config = CustomLossConfig(import_path="custom_losses.additive_loss", kwargs={"coef": 0.5})
+    batch = bin_of(archetype, seed=3)
+    (loss, metrics, grad), (loss_ref, _, grad_ref) = run_both(
+        batch, prime_rl.setup_rl_loss_fn(config), reference.setup_rl_loss_fn(config)
+    )
+    assert torch.equal(grad, grad_ref)
+    assert_loss_close(loss, loss_ref)
+    assert "custom_ratio" in metrics
+
+
+def test_non_additive_custom_loss_differs_and_layout_fixes_it():
+    """Called once per bin, a per-call mean changes meaning; the layout fields make it exact."""
+    batch = bin_of("hot", seed=4)
+    naive = CustomLossConfig(import_path="custom_losses:per_sequence_mean_naive")
+    segmented = CustomLossConfig(import_path="custom_losses:per_sequence_mean_segmented")
+    (loss, _, _), (loss_ref, _, grad_ref) = run_both(
+        batch, prime_rl.setup_rl_loss_fn(naive), reference.setup_rl_loss_fn(naive)
+    )
+    assert not torch.allclose(loss, loss_ref, rtol=1e-3)
+    (loss, _, grad), _ = run_both(batch, prime_rl.setup_rl_loss_fn(segmented), reference.setup_rl_loss_fn(naive))
+    assert_loss_close(loss, loss_ref)
+    assert torch.allclose(grad, grad_ref, rtol=1e-6, atol=1e-9)
+
+
+def test_constant_custom_loss_is_still_backward_able():
+    config = CustomLossConfig(import_path="custom_losses.constant_loss")
+    batch = bin_of("dummy")
+    loss, _ = prime_rl.compute_loss(**as_lists(batch), **scales(batch), rl_loss_fn=prime_rl.setup_rl_loss_fn(config))
+    loss.backward()
+    assert torch.equal(batch.trainer_logprobs.grad, torch.zeros_like(batch.trainer_logprobs))
+
+
+def test_setup_rl_loss_fn_rejects_bad_config():
+    with pytest.raises(TypeError, match="loss_config"):
+        prime_rl.setup_rl_loss_fn({"type": "default"})
+    with pytest.raises(ValueError, match="import_path"):
+        prime_rl.setup_rl_loss_fn(CustomLossConfig(import_path="nomodule"))
+    with pytest.raises(ValueError, match="cannot import"):
+        prime_rl.setup_rl_loss_fn(CustomLossConfig(import_path="custom_losses.missing"))
+
+
+def test_default_configs_match_prime_rl():
+    assert prime_rl.DefaultLossConfig() == prime_rl.DefaultLossConfig(0.2, 0.2, 1.0, 1e-3)
+    assert prime_rl.IPOLossConfig().ipo_threshold == 0.1
+    params = prime_rl.setup_rl_loss_fn(prime_rl.DefaultLossConfig())
+    assert (params.trust_region, params.kl_tau, params.adv_tau) == ("dppo", 1e-3, 1.0)
+
+
+def test_selective_log_softmax_and_entropy():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(2, 5, 11, generator=g) * 3
+    index = torch.randint(0, 11, (2, 5), generator=g)
+    expected = torch.log_softmax(logits, -1).gather(-1, index.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(prime_rl.selective_log_softmax(logits, index), expected, atol=1e-6)
+    p = torch.softmax(logits, -1)
+    assert torch.allclose(prime_rl.compute_entropy(logits), -(p * p.log()).sum(-1), atol=1e-5)
+
+
+def test_shift_tensors():
+    t = torch.arange(1, 7).view(2, 3)
+    assert prime_rl.shift_tensor_left(t).tolist() == [[2, 3, 0], [5, 6, 0]]
+    assert prime_rl.shift_tensor_right(t.float(), pad_value=-1.0).tolist() == [[-1, 1, 2], [-1, 4, 5]]
+    assert prime_rl.shift_tensor_right(t).tolist() == [[0, 1, 2], [0, 4, 5]]
