@@ -1,0 +1,162 @@
+"""Hugging Face integration: per-token log-probs and entropy of a causal LM through the fused head.
+
+Two entry points, one convention:
+
+* :func:`causal_lm_logprobs` ``(model, input_ids, labels, *, temperature, ...)`` runs the backbone
+  ``model.model`` and the fused head (:func:`packloss.head.linear_logprobs`) on
+  ``model.lm_head.weight`` and returns a :class:`FusedCausalLMOutput`.
+* :func:`patch_causal_lm` ``(model)`` makes ``model(input_ids, labels=..., temperature=...)`` do the
+  same. Without ``labels`` the patched model runs its original forward (logits), so ``generate``
+  keeps working.
+
+``labels`` are aligned with the positions: ``labels[b, t]`` is the token scored at position ``t``
+(the *next* token for causal LM training; :func:`next_token_labels` builds them from ``input_ids``),
+and ``-100`` (``ignore_index``) marks positions without a label (log-prob 0, no gradient). The
+output has ``.logprobs`` and ``.entropy`` (``[B, S]`` float32) and no ``.logits``. ``temperature`` is
+a float or a ``[B, S]`` tensor of per-position temperatures. The weight is read from
+``model.lm_head.weight`` at every call (never copied), so tied embeddings stay tied and receive the
+gradient of both uses. A Gemma-style ``config.final_logit_softcapping`` is honoured.
+
+``transformers`` is imported nowhere: any module with a ``.model`` backbone returning
+``last_hidden_state`` and a bias-free ``.lm_head`` works (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+``MistralForCausalLM``, …).
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+
+from packloss.head import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, linear_logprobs
+
+__all__ = ["FusedCausalLMOutput", "causal_lm_logprobs", "next_token_labels", "patch_causal_lm"]
+
+
+@dataclass
+class FusedCausalLMOutput:
+    """``logprobs [B, S]``, ``entropy [B, S] | None`` and the backbone's extra outputs (``cache`` is
+    the transformers 5 key-value cache field)."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor | None
+    cache: object | None = None
+    hidden_states: tuple[torch.Tensor, ...] | None = None
+    attentions: tuple[torch.Tensor, ...] | None = None
+
+
+def next_token_labels(input_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """``labels[:, t] = input_ids[:, t + 1]``, and ``ignore_index`` at the last position. ``[B, S]``."""
+    pad = torch.full_like(input_ids[:, :1], ignore_index)  # [B, 1]
+    return torch.cat([input_ids[:, 1:], pad], dim=1)  # [B, S]
+
+
+def _check_model(model: torch.nn.Module) -> None:
+    backbone, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if not isinstance(backbone, torch.nn.Module):
+        raise TypeError(f"model must have a `.model` backbone module, got {type(model).__name__}")
+    if not isinstance(getattr(head, "weight", None), torch.Tensor):
+        raise TypeError(f"model.lm_head must have a `.weight` tensor, got {type(head).__name__}")
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("model.lm_head has a bias; the fused head supports bias-free output layers only")
+
+
+def _softcap(model: torch.nn.Module) -> float | None:
+    return getattr(getattr(model, "config", None), "final_logit_softcapping", None)
+
+
+def causal_lm_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor | None,
+    labels: torch.Tensor,
+    *,
+    temperature: float | torch.Tensor = 1.0,
+    return_entropy: bool = True,
+    entropy_grad: bool = False,
+    ignore_index: int = -100,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
+    **model_kwargs,
+) -> FusedCausalLMOutput:
+    """Log-probs ``[B, S]`` of ``labels`` (aligned with positions) and entropy, via the fused head.
+
+    ``model_kwargs`` (``attention_mask``, ``position_ids``, ``inputs_embeds``, …) go to ``model.model``.
+    """
+    _check_model(model)
+    out = model.model(input_ids=input_ids, **model_kwargs)
+    hidden = out.last_hidden_state  # [B, S, H]
+    b, s, h = hidden.shape
+    if labels.shape != (b, s):
+        raise ValueError(f"labels must have shape [B, S] = {(b, s)}, got {tuple(labels.shape)}")
+    if isinstance(temperature, torch.Tensor) and temperature.dim() > 0:
+        if temperature.shape != (b, s):
+            shape = tuple(temperature.shape)
+            raise ValueError(f"temperature must be a float or [B, S] = {(b, s)}, got {shape}")
+        temperature = temperature.reshape(b * s)
+    logprobs, entropy = linear_logprobs(
+        hidden.reshape(b * s, h),
+        model.lm_head.weight,
+        labels.reshape(b * s),
+        temperature=temperature,
+        chunk_size=chunk_size,
+        vocab_chunk_size=vocab_chunk_size,
+        return_entropy=return_entropy,
+        entropy_grad=entropy_grad,
+        softcap=_softcap(model),
+        ignore_index=ignore_index,
+    )
+    return FusedCausalLMOutput(
+        logprobs=logprobs.reshape(b, s),
+        entropy=None if entropy is None else entropy.reshape(b, s),
+        cache=getattr(out, "cache", None),
+        hidden_states=getattr(out, "hidden_states", None),
+        attentions=getattr(out, "attentions", None),
+    )
+
+
+def patch_causal_lm(
+    model: torch.nn.Module,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
+) -> torch.nn.Module:
+    """Make ``model(input_ids, labels=..., temperature=..., return_entropy=..., entropy_grad=...,
+    **kwargs)`` return a :class:`FusedCausalLMOutput` (see module doc); returns ``model`` itself.
+
+    Without ``labels`` the original forward runs. Idempotent; the original forward is kept as
+    ``model._packloss_original_forward``.
+    """
+    _check_model(model)
+    if hasattr(model, "_packloss_original_forward"):
+        return model
+    original = model.forward
+
+    def forward(
+        self,
+        input_ids=None,
+        labels=None,
+        *,
+        temperature: float | torch.Tensor = 1.0,
+        return_entropy: bool = True,
+        entropy_grad: bool = False,
+        ignore_index: int = -100,
+        **kwargs,
+    ):
+        if labels is None:
+            return original(input_ids=input_ids, **kwargs)
+        return causal_lm_logprobs(
+            self,
+            input_ids,
+            labels,
+            temperature=temperature,
+            return_entropy=return_entropy,
+            entropy_grad=entropy_grad,
+            ignore_index=ignore_index,
+            chunk_size=chunk_size,
+            vocab_chunk_size=vocab_chunk_size,
+            **kwargs,
+        )
+
+    model._packloss_original_forward = original
+    model.forward = types.MethodType(forward, model)
+    return model
