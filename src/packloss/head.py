@@ -37,19 +37,30 @@ are replicated; labels are global ids. The per-token states are combined with on
 ``SUM`` all-reduce, and the backward all-reduces ``d_hidden`` (``SUM``), so values and gradients
 equal the single-process result; ``d_weight`` is the gradient of this rank's shard.
 
+:func:`linear_distill` computes the distillation losses of :mod:`packloss.distill` (reverse KL,
+forward KL, JSD(β), soft cross-entropy) from the student head, against teacher logits or a teacher
+head. It is token-chunked: per chunk it builds the ``[C, V]`` student (and teacher) logits, calls the
+shared per-chunk core ``packloss.distill._chunk_core`` for the per-token loss and ``∂L/∂s``, and
+accumulates ``d_hidden = ∂L/∂s · W`` and ``d_weight += ∂L/∂sᵀ · h`` in the forward; the backward only
+scales them by the incoming gradient. Vocab-parallel, each chunk's shard logits are all-gathered
+into the full ``[C, V]`` row block (the KL needs whole rows; the shared core is reused unchanged),
+each rank keeps its columns of ``∂L/∂s`` for ``d_weight`` and ``d_hidden`` is all-reduced (``SUM``).
+
 Compute dtype: float32 for any input dtype (float64 for float64 inputs, so ``gradcheck`` works);
 outputs are in the compute dtype, gradients in the dtype of their input.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["linear_logprobs"]
+from packloss.distill import _CHUNK_ELEMENTS, _chunk_core, _scale
+
+__all__ = ["linear_logprobs", "linear_distill"]
 
 DEFAULT_CHUNK_SIZE = 1024
 DEFAULT_VOCAB_CHUNK_SIZE = 8192
@@ -394,3 +405,184 @@ def linear_logprobs(
     )
     logprobs, entropy = _LinearLogprobs.apply(hidden, weight, labels, inv_t, cfg)
     return logprobs, (entropy if return_entropy else None)
+
+
+# ----------------------------------------------------------------------------------------------
+# linear_distill
+
+
+_KINDS = ("reverse_kl", "forward_kl", "jsd", "soft_cross_entropy")
+
+
+@dataclass(frozen=True)
+class _DistillConfig:
+    kind: str
+    beta: float
+    student_temperature: float
+    teacher_temperature: float
+    chunk_size: int
+    group: object | None
+
+
+def _gather_vocab(block: torch.Tensor, group: object | None) -> torch.Tensor:
+    """All-gather a ``[C, V_local]`` shard block into ``[C, V]`` (identity without a group)."""
+    if group is None:
+        return block
+    parts = [torch.empty_like(block) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, block.contiguous(), group=group)
+    return torch.cat(parts, dim=1)  # [C, V]
+
+
+def _distill_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_block: Callable[[int, int], torch.Tensor],
+    mask: torch.Tensor | None,
+    scale: torch.Tensor,
+    cfg: _DistillConfig,
+    need_h: bool,
+    need_w: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(loss, d_hidden [N, H] | None, d_weight [V_local, H] | None)``, chunk by chunk over tokens."""
+    cdt = _compute_dtype(hidden, weight)
+    w = weight.to(cdt)  # [V_local, H]
+    v_local = w.shape[0]
+    col0 = 0 if cfg.group is None else dist.get_rank(cfg.group) * v_local
+    d_h = torch.zeros(hidden.shape, dtype=cdt, device=hidden.device) if need_h else None  # [N, H]
+    d_w = torch.zeros(w.shape, dtype=cdt, device=w.device) if need_w else None  # [V_local, H]
+    loss = torch.zeros((), dtype=cdt, device=hidden.device)
+    for t0, t1 in _ranges(hidden.shape[0], cfg.chunk_size):
+        h_c = hidden[t0:t1].to(cdt)  # [C, H]
+        s = _gather_vocab(h_c @ w.T, cfg.group)  # [C, V]
+        t = _gather_vocab(teacher_block(t0, t1), cfg.group)  # [C, V]
+        loss_c, grad = _chunk_core(
+            s, t, None if mask is None else mask[t0:t1], scale, cfg.kind,
+            cfg.student_temperature, cfg.teacher_temperature, "logits", cfg.beta, cdt,
+        )  # fmt: skip
+        loss = loss + loss_c
+        grad = grad[:, col0 : col0 + v_local]  # [C, V_local]
+        if d_h is not None:
+            d_h[t0:t1] = grad @ w
+        if d_w is not None:
+            d_w.addmm_(grad.T, h_c)
+    if d_h is not None and cfg.group is not None:
+        dist.all_reduce(d_h, op=dist.ReduceOp.SUM, group=cfg.group)
+    return loss, d_h, d_w
+
+
+class _LinearDistill(torch.autograd.Function):
+    """Forward: loss, ``d_hidden`` and ``d_weight``; backward: both times ``grad_output``."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, teacher_block, mask, scale, cfg: _DistillConfig):
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        loss, d_h, d_w = _distill_forward(hidden, weight, teacher_block, mask, scale, cfg, need_h, need_w)
+        ctx.save_for_backward(d_h, d_w)
+        ctx.dtypes = (hidden.dtype, weight.dtype)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        d_h, d_w = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        d_h = None if d_h is None else (d_h * grad_output).to(h_dtype)
+        d_w = None if d_w is None else (d_w * grad_output).to(w_dtype)
+        return d_h, d_w, None, None, None, None
+
+
+def _teacher_blocks(
+    teacher_logits: torch.Tensor | None,
+    teacher_hidden: torch.Tensor | None,
+    teacher_weight: torch.Tensor | None,
+    n: int,
+    v_local: int,
+    cdt: torch.dtype,
+) -> Callable[[int, int], torch.Tensor]:
+    """A function ``(t0, t1) -> [C, V_local]`` teacher logits in ``cdt``, from logits or a teacher head."""
+    if teacher_logits is not None:
+        if teacher_hidden is not None or teacher_weight is not None:
+            raise ValueError("give teacher_logits or teacher_hidden + teacher_weight, not both")
+        if teacher_logits.shape != (n, v_local):
+            raise ValueError(
+                f"teacher_logits must be [N, V_local] = {(n, v_local)}, got {tuple(teacher_logits.shape)}"
+            )
+        t_logits = teacher_logits.detach()
+        return lambda t0, t1: t_logits[t0:t1].to(cdt)
+    if teacher_hidden is None or teacher_weight is None:
+        raise ValueError("give teacher_logits, or both teacher_hidden and teacher_weight")
+    _check_head(teacher_hidden, teacher_weight)
+    if teacher_hidden.shape[0] != n or teacher_weight.shape[0] != v_local:
+        raise ValueError(
+            f"teacher_hidden [N, H_t] and teacher_weight [V_local, H_t] must match N={n}, V_local={v_local}, "
+            f"got {tuple(teacher_hidden.shape)} and {tuple(teacher_weight.shape)}"
+        )
+    t_h, t_w = teacher_hidden.detach(), teacher_weight.detach().to(cdt)
+    return lambda t0, t1: t_h[t0:t1].to(cdt) @ t_w.T  # [C, V_local]
+
+
+def linear_distill(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_logits: torch.Tensor | None = None,
+    *,
+    teacher_hidden: torch.Tensor | None = None,
+    teacher_weight: torch.Tensor | None = None,
+    loss_mask: torch.Tensor | None = None,
+    kind: str = "reverse_kl",
+    beta: float = 0.5,
+    student_temperature: float = 1.0,
+    teacher_temperature: float = 1.0,
+    normalize: str = "token",
+    denominator: torch.Tensor | float | None = None,
+    chunk_size: int | None = None,
+    group: object | None = None,
+) -> torch.Tensor:
+    """Distillation loss of the student head ``s = h Wᵀ`` against a teacher, never holding ``N × V``.
+
+    ``loss = Σ_{i∈mask} L_i / denominator`` with ``L_i`` one of (``q = softmax(s_i / T_s)``,
+    ``p = softmax(t_i / T_t)``): ``"reverse_kl"`` ``KL(q‖p)``, ``"forward_kl"`` ``KL(p‖q)``,
+    ``"jsd"`` ``β KL(p‖m) + (1 − β) KL(q‖m)``, ``m = β p + (1 − β) q``, ``"soft_cross_entropy"``
+    ``−Σ p log q`` — the math and normalisation of :mod:`packloss.distill`, shared with it.
+
+    Args:
+        hidden, weight: the student head, ``[N, H]`` and ``[V, H]`` (with ``group``: this rank's
+            equal vocab shard ``[V / world, H]``, rank ``r`` holding rows ``[r·V_local, (r+1)·V_local)``).
+        teacher_logits: ``[N, V]`` (``[N, V_local]`` with ``group``), or instead
+        teacher_hidden, teacher_weight: a teacher head, ``[N, H_t]`` and ``[V, H_t]`` (sharded alike).
+            The teacher receives no gradient.
+        loss_mask: ``[N]`` bool members (None: all).
+        normalize, denominator: ``"token"`` (member count or ``denominator``), ``"position"`` (N or
+            ``denominator``), ``"sum"``.
+        chunk_size: tokens per chunk (default ``2**22 // V``); scratch is ``O(chunk × V)`` float32.
+
+    Returns:
+        A 0-d loss in the compute dtype (float32; float64 for float64 inputs). Its gradients
+        w.r.t. ``hidden`` and ``weight`` are computed in the forward (``[N, H]`` and ``[V, H]``,
+        kept until backward); a second backward gives the same gradients again.
+    """
+    _check_head(hidden, weight)
+    n, v_local = hidden.shape[0], weight.shape[0]
+    if kind not in _KINDS:
+        raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}")
+    if kind == "jsd" and not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta}")
+    if student_temperature <= 0 or teacher_temperature <= 0:
+        raise ValueError("student_temperature and teacher_temperature must be positive")
+    cdt = _compute_dtype(hidden, weight)
+    teacher_block = _teacher_blocks(teacher_logits, teacher_hidden, teacher_weight, n, v_local, cdt)
+    if loss_mask is not None:
+        _check_tokens("loss_mask", loss_mask, n, integer=False)
+        loss_mask = loss_mask.to(torch.bool)
+    v = v_local * (1 if group is None else dist.get_world_size(group))
+    rows = chunk_size if chunk_size is not None else max(1, _CHUNK_ELEMENTS // v)
+    _check_chunk("chunk_size", rows)
+    cfg = _DistillConfig(
+        kind=kind,
+        beta=float(beta),
+        student_temperature=float(student_temperature),
+        teacher_temperature=float(teacher_temperature),
+        chunk_size=rows,
+        group=group,
+    )
+    scale = _scale(normalize, denominator, loss_mask, n, hidden.device, cdt)
+    return _LinearDistill.apply(hidden, weight, teacher_block, loss_mask, scale, cfg)
