@@ -78,8 +78,7 @@ def _check_head(hidden: object, weight: object) -> None:
     """Raise a clear error unless ``hidden [N, H]`` and ``weight [V, H]`` are floating tensors."""
     if isinstance(weight, torch.nn.Module):
         raise TypeError(
-            "weight must be a Tensor [V, H], got a Module; pass its .weight "
-            "(a bias-free output layer is required)"
+            "weight must be a Tensor [V, H], got a Module; pass its .weight (a bias-free output layer is required)"
         )
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
@@ -337,9 +336,7 @@ class _LinearLogprobs(torch.autograd.Function):
             return None, None, None, None, None
         g = torch.where(valid, g_lp, 0.0) if g_lp is not None else torch.zeros_like(log_z)
         g_e = g_ent if cfg.entropy_grad else None
-        d_h, d_w = _logprobs_backward(
-            hidden, weight, labels, inv_t, log_z, entropy, g, g_e, cfg, need_h, need_w
-        )
+        d_h, d_w = _logprobs_backward(hidden, weight, labels, inv_t, log_z, entropy, g, g_e, cfg, need_h, need_w)
         d_h = None if d_h is None else d_h.to(hidden.dtype)
         d_w = None if d_w is None else d_w.to(weight.dtype)
         return d_h, d_w, None, None, None
@@ -503,9 +500,7 @@ def _teacher_blocks(
         if teacher_hidden is not None or teacher_weight is not None:
             raise ValueError("give teacher_logits or teacher_hidden + teacher_weight, not both")
         if teacher_logits.shape != (n, v_local):
-            raise ValueError(
-                f"teacher_logits must be [N, V_local] = {(n, v_local)}, got {tuple(teacher_logits.shape)}"
-            )
+            raise ValueError(f"teacher_logits must be [N, V_local] = {(n, v_local)}, got {tuple(teacher_logits.shape)}")
         t_logits = teacher_logits.detach()
         return lambda t0, t1: t_logits[t0:t1].to(cdt)
     if teacher_hidden is None or teacher_weight is None:
