@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import CONFIGS, as_lists, bin_of, scales
 
+from conftest import CONFIGS, as_lists, bin_of, scales
 from packloss import reference
 from packloss.compat import prime_rl
 from packloss.compat.prime_rl import CustomLossConfig

@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import CONFIGS, as_lists, bin_of, scales
 
+from conftest import CONFIGS, as_lists, bin_of, scales
 from packloss import DPPO, IPO, REF_KL, PackedBatch, PGParams, compute_loss, merge_metrics
 from packloss.compat import prime_rl
 from packloss.testing import ARCHETYPES, OpCounter

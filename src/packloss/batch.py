@@ -34,7 +34,7 @@ def _check_seq_lens(seq_lens: Sequence[int], num_tokens: int | None = None) -> t
     if not lens:
         raise ValueError("seq_lens is empty: a bin holds at least one sequence")
     if num_tokens is not None and sum(lens) != num_tokens:
-        raise ValueError(f"seq_lens sums to {sum(lens)} but the streams hold N={num_tokens} tokens")
+        raise ValueError(f"seq_lens sums to {sum(lens)} but trainer_logprobs holds N={num_tokens} tokens")
     return lens
 
 
@@ -174,7 +174,7 @@ class PackedBatch:
                 continue
             if len(seqs) != len(seq_lens):
                 raise ValueError(f"{name} holds {len(seqs)} sequences, trainer_logprobs {len(seq_lens)}")
-            for i, (t, n) in enumerate(zip(seqs, seq_lens)):
+            for i, (t, n) in enumerate(zip(seqs, seq_lens, strict=True)):
                 if tuple(t.shape) != (n,):
                     raise ValueError(f"{name}[{i}] must have shape ({n},), got {tuple(t.shape)}")
         streams = {k: (torch.cat(list(v)) if v is not None else None) for k, v in lists.items()}

@@ -1,0 +1,122 @@
+"""The policy-gradient skeleton against DESIGN.md §2 written out token by token in plain Python."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from packloss import DPPO, IPO, REF_KL, LossInputs, PGParams, pg_loss
+from packloss.ce import ce_loss
+
+
+def token_loss(trn, inf, ref, adv, member, w, p: PGParams) -> float:
+    """One token of DESIGN.md §2 in scalar Python (float64)."""
+    if not member:
+        return 0.0
+    log_r = trn - inf
+    a = (ref - trn) if p.advantage == "ref_kl" else adv
+    dp = math.exp(trn) - math.exp(inf)
+    if p.trust_region == "dppo":
+        masked = dp > p.dppo_mask_high if a > 0 else dp < -p.dppo_mask_low
+    elif p.trust_region == "ipo":
+        masked = abs(dp) > p.ipo_threshold
+    else:
+        masked = dp < -p.one_sided_threshold
+    pg = 0.0 if masked else p.adv_tau * a * math.exp(log_r)
+    return (-pg + p.kl_tau * log_r**2) * w
+
+
+PARAMS = {
+    "dppo": DPPO,
+    "ipo": IPO,
+    "ref_kl": REF_KL,
+    "dppo_custom": PGParams(dppo_mask_low=0.05, dppo_mask_high=0.3, adv_tau=0.7, kl_tau=0.1),
+    "one_sided_shipped": PGParams(trust_region="one_sided", one_sided_threshold=0.1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PARAMS))
+@pytest.mark.parametrize("weighted", [False, True])
+def test_pg_loss_matches_scalar_formula(name, weighted):
+    params = PARAMS[name]
+    g = torch.Generator().manual_seed(7)
+    n = 64
+    p_inf = torch.rand(n, generator=g, dtype=torch.float64) * 0.9 + 0.05
+    trn = (p_inf + (torch.rand(n, generator=g, dtype=torch.float64) - 0.5) * 0.8).clamp(1e-3, 1).log()
+    inf = p_inf.log()
+    ref = (torch.rand(n, generator=g, dtype=torch.float64) * 0.9 + 0.05).log()
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    adv[::7] = 0.0  # A == 0 takes DPPO's low branch
+    mask = torch.rand(n, generator=g) < 0.8
+    w = torch.rand(n, generator=g, dtype=torch.float64) * 2 if weighted else None
+    trn = trn.requires_grad_()
+    out = pg_loss(LossInputs(trn, inf, ref, adv, mask, w), params)
+    expected = sum(
+        token_loss(trn[i].item(), inf[i].item(), ref[i].item(), adv[i].item(), bool(mask[i]),
+                   1.0 if w is None else w[i].item(), params)
+        for i in range(n)
+    )
+    assert out.loss.item() == pytest.approx(expected, rel=1e-5)
+    assert out.metrics[params.metric_prefix + "is_masked"].item() > 0  # the region fires in this data
+
+
+def test_ref_kl_advantage_is_detached():
+    """∂loss/∂trn for ref_kl flows only through the ratio: −keep·(ref−trn)·r + 2·kl_tau·log_r."""
+    trn = torch.tensor([-1.0, -0.5], requires_grad=True)
+    inf = torch.tensor([-1.1, -0.5])
+    ref = torch.tensor([-0.8, -0.2])
+    mask = torch.tensor([True, True])
+    out = pg_loss(LossInputs(trn, inf, ref, None, mask), REF_KL)
+    out.loss.backward()
+    log_r = (trn - inf).detach()
+    expected = -(ref - trn.detach()) * log_r.exp() + 2 * 1e-3 * log_r
+    assert torch.allclose(trn.grad, expected, atol=1e-6)
+
+
+def test_metrics_definitions():
+    trn = torch.tensor([-0.1, -3.0, -0.2, -2.0])
+    inf = torch.tensor([-2.0, -0.1, -0.2, -2.0])
+    adv = torch.tensor([1.0, -1.0, 1.0, 1.0])
+    mask = torch.tensor([True, True, True, False])
+    out = pg_loss(LossInputs(trn, inf, None, adv, mask), DPPO)
+    # token 0: A>0, dp = e^-0.1 - e^-2 > 0.2 → masked high; token 1: A<0, dp < -0.2 → masked low
+    assert out.metrics["is_masked"].item() == pytest.approx(2 / 3)
+    assert out.metrics["is_masked_high"].item() == pytest.approx(1 / 3)
+    assert out.metrics["is_masked_low"].item() == pytest.approx(1 / 3)
+    assert out.metrics["masked_advantage_positive"].item() == pytest.approx(0.5)
+    assert out.counts["is_masked"].item() == 3
+    assert out.counts["masked_mismatch_kl"].item() == 2
+    assert out.metrics["unmasked_mismatch_kl"].item() == pytest.approx(0.0)
+
+
+def test_ce_loss():
+    trn = torch.tensor([-1.0, -2.0, -3.0], requires_grad=True)
+    w = torch.tensor([0.5, 0.0, 2.0])
+    out = ce_loss(LossInputs(trn, trn, None, None, w != 0, w))
+    assert out.loss.item() == pytest.approx(0.5 + 6.0)
+    assert out.metrics["nll"].item() == pytest.approx(2.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(advantage="gae"), "advantage must be one of"),
+        (dict(trust_region="box"), "trust_region must be one of"),
+        (dict(dppo_mask_low=-0.1), "dppo_mask_low must be >= 0"),
+        (dict(ipo_threshold=-1.0), "ipo_threshold must be >= 0"),
+    ],
+)
+def test_params_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PGParams(**kwargs)
+
+
+def test_instances_are_the_historical_loss_types():
+    assert (DPPO.advantage, DPPO.trust_region, DPPO.dppo_mask_low, DPPO.dppo_mask_high) == ("shipped", "dppo", 0.2, 0.2)
+    assert (IPO.trust_region, IPO.ipo_threshold) == ("ipo", 0.1)
+    assert (REF_KL.advantage, REF_KL.trust_region, REF_KL.kl_tau, REF_KL.adv_tau) == ("ref_kl", "one_sided", 1e-3, 1.0)
+    assert REF_KL.metric_prefix == "ref_kl/"
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        REF_KL(LossInputs(torch.zeros(2), torch.zeros(2), None, None, torch.ones(2, dtype=torch.bool)))
