@@ -1,0 +1,244 @@
+"""The ``loss`` suite: forward+backward of ``compute_loss`` on one packed bin (DESIGN.md §7).
+
+For each archetype (``hot``, ``opd``, ``echo``, ``sdft``) and each packing density (sequences per
+bin), three implementations run on the same bin:
+
+* ``reference`` — :func:`packloss.reference.compute_loss`, the per-sequence loop a trainer called
+  before prime-rl PR #2951, over per-sequence views of the bin's streams;
+* ``eager`` — the native vectorised :func:`packloss.compute_loss`;
+* ``compiled`` — the same call under ``torch.compile`` (forward compiled by dynamo/inductor, backward
+  by AOTAutograd). ``first_call_s`` is the wall time of the first forward+backward at that packing
+  (compilation, or a recompilation when a guard failed, included); ``graphs`` is the number of
+  graphs dynamo has compiled for the archetype so far, so a recompile per packing shows as a count
+  that grows with the row.
+
+Per row: median forward+backward ``time_ms`` after warm-up, the aten-op and sync counts of one call
+(:class:`packloss.testing.OpCounter`; ``None`` for ``compiled``, whose inductor kernels are not aten
+ops) and ``speedup_vs_reference`` measured in the same run. Every implementation divides by the same
+integer member counts (a trainer's global scales), as ints for the reference and as 0-d tensors for
+the native calls so that compiled code never specialises on them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from packloss import reference
+from packloss.batch import PackedBatch
+from packloss.bench._measure import time_ms
+from packloss.compat.prime_rl import DefaultLossConfig
+from packloss.compute import compute_loss
+from packloss.testing import OpCounter, make_archetype, random_seq_lens
+
+__all__ = ["ARCHETYPES", "VARIANTS", "Plan", "plan", "bin_for", "integer_scales", "native_step", "run"]
+
+ARCHETYPES = ("hot", "opd", "echo", "sdft")
+VARIANTS = ("reference", "eager", "compiled")
+_STREAMS = (
+    "inference_logprobs",
+    "ref_logprobs",
+    "advantages",
+    "loss_mask",
+    "rl_weights",
+    "ce_weights",
+    "ref_kl_weights",
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run measures: tokens per bin, sequences per bin, repeats, which archetypes compile."""
+
+    num_tokens: int
+    seq_counts: tuple[int, ...]
+    warmup: int
+    repeat: int
+    reference_repeat: int
+    compiled_archetypes: tuple[str, ...]
+
+
+def plan(quick: bool, use_compile: bool = True) -> Plan:
+    """The full plan (32,768 tokens × 1/16/64/256 sequences) or the quick one (4,096 tokens × 1/16/64,
+    only the hot path compiled). ``use_compile=False`` drops the compiled column."""
+    if quick:
+        return Plan(4096, (1, 16, 64), 2, 10, 2, ("hot",) if use_compile else ())
+    return Plan(32768, (1, 16, 64, 256), 3, 30, 3, ARCHETYPES if use_compile else ())
+
+
+def bin_for(archetype: str, num_tokens: int, num_seqs: int, device: str) -> PackedBatch:
+    """The benchmark's bin: a deterministic packing (seeded by the sequence count) of one archetype."""
+    g = torch.Generator().manual_seed(10_000 + num_seqs)
+    return make_archetype(archetype, random_seq_lens(num_tokens, num_seqs, g), seed=num_seqs, device=device)
+
+
+def integer_scales(batch: PackedBatch) -> dict[str, int]:
+    """Each component's member count (at least 1) as host ints, the way a trainer passes global scales."""
+    rl = batch.loss_mask if batch.rl_weights is None else batch.loss_mask & (batch.rl_weights != 0)
+    counts = {"rl_scale": rl, "ce_scale": batch.ce_weights, "ref_kl_scale": batch.ref_kl_weights}
+    return {k: 1 if m is None else max(int((m != 0).sum()), 1) for k, m in counts.items()}
+
+
+def _tensor_scales(scales: dict[str, int], device: str) -> dict[str, Tensor]:
+    return {k: torch.tensor(float(v), device=device) for k, v in scales.items()}
+
+
+def native_step(batch: PackedBatch, scales: dict[str, Tensor]) -> Tensor:
+    """The native loss of the bin (DPPO rl loss), the function the eager and compiled columns run."""
+    return compute_loss(batch, **scales).loss
+
+
+def _split(t: Tensor | None, seq_lens: list[int]) -> list[Tensor] | None:
+    return None if t is None else list(torch.split(t, seq_lens))
+
+
+def _reference_step(batch: PackedBatch, scales: dict[str, int]) -> Callable[[], None]:
+    """Forward+backward of the per-sequence reference; the trainer log-probs are split inside the
+    step (their views belong to each call's graph), the other streams once, outside."""
+    seq_lens = list(batch.seq_lens)
+    lists = {k: _split(getattr(batch, k), seq_lens) for k in _STREAMS}
+    rl_loss_fn = reference.setup_rl_loss_fn(DefaultLossConfig())
+    trn = batch.trainer_logprobs
+
+    def step() -> None:
+        trn.grad = None
+        loss, _ = reference.compute_loss(_split(trn, seq_lens), **lists, rl_loss_fn=rl_loss_fn, **scales)
+        loss.backward()
+
+    return step
+
+
+def _native_step(fn: Callable[[PackedBatch, dict[str, Tensor]], Tensor], batch, scales) -> Callable[[], None]:
+    def step() -> None:
+        batch.trainer_logprobs.grad = None
+        fn(batch, scales).backward()
+
+    return step
+
+
+def _count_ops(step: Callable[[], None]) -> tuple[int, int]:
+    """(aten ops, syncs) of one call."""
+    with OpCounter() as counter:
+        step()
+    return counter.total, counter.num_syncs
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def _row(archetype: str, batch: PackedBatch, variant: str, median_ms: float, **extra) -> dict:
+    return {
+        "suite": "loss",
+        "shape": f"{archetype} {batch.num_tokens}/{batch.num_seqs}",
+        "archetype": archetype,
+        "num_tokens": batch.num_tokens,
+        "num_seqs": batch.num_seqs,
+        "variant": variant,
+        "time_ms": median_ms,
+        "peak_bytes": None,
+        "aten_ops": None,
+        "syncs": None,
+        "first_call_s": None,
+        "graphs": None,
+        **extra,
+    }
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """An archetype's compiled step and dynamo's graph count before its first call."""
+
+    fn: Callable[[PackedBatch, dict[str, Tensor]], Tensor]
+    graphs_before: int
+
+
+def _measure_bin(
+    archetype: str, num_seqs: int, device: str, p: Plan, compiled: _Compiled | None, progress: Callable[[str], None]
+) -> list[dict]:
+    batch = bin_for(archetype, p.num_tokens, num_seqs, device)
+    scales = integer_scales(batch)
+    rows = []
+
+    progress(f"loss {archetype} S={num_seqs} reference")
+    ref_step = _reference_step(batch, scales)
+    ops, syncs = _count_ops(ref_step)
+    t = time_ms(ref_step, device, warmup=1, repeat=p.reference_repeat)
+    rows.append(_row(archetype, batch, "reference", t, aten_ops=ops, syncs=syncs))
+
+    progress(f"loss {archetype} S={num_seqs} eager")
+    eager_step = _native_step(native_step, batch, _tensor_scales(scales, device))
+    ops, syncs = _count_ops(eager_step)
+    t = time_ms(eager_step, device, warmup=p.warmup, repeat=p.repeat)
+    rows.append(_row(archetype, batch, "eager", t, aten_ops=ops, syncs=syncs))
+
+    if compiled is not None:
+        progress(f"loss {archetype} S={num_seqs} compiled")
+        compiled_step = _native_step(compiled.fn, batch, _tensor_scales(scales, device))
+        t0 = time.perf_counter()
+        compiled_step()
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        first = time.perf_counter() - t0
+        t = time_ms(compiled_step, device, warmup=p.warmup, repeat=p.repeat)
+        graphs = _graphs_compiled() - compiled.graphs_before
+        rows.append(_row(archetype, batch, "compiled", t, first_call_s=first, graphs=graphs))
+
+    for row in rows:
+        row["speedup_vs_reference"] = rows[0]["time_ms"] / row["time_ms"]
+    return rows
+
+
+def summarise(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per archetype and native variant: ``speedup_at_max`` (reference ÷ variant at the densest
+    packing) and ``flatness`` (variant time at the densest packing ÷ at one sequence per bin)."""
+    out: dict[str, dict[str, float]] = {}
+    for archetype in dict.fromkeys(r["archetype"] for r in rows):
+        mine = [r for r in rows if r["archetype"] == archetype]
+        s_min, s_max = min(r["num_seqs"] for r in mine), max(r["num_seqs"] for r in mine)
+        times = {(r["variant"], r["num_seqs"]): r["time_ms"] for r in mine}
+        for variant in ("eager", "compiled"):
+            if (variant, s_max) in times and (variant, s_min) in times:
+                out.setdefault(archetype, {})[f"{variant}_speedup_at_{s_max}"] = (
+                    times[("reference", s_max)] / times[(variant, s_max)]
+                )
+                out[archetype][f"{variant}_flatness_{s_max}_vs_{s_min}"] = (
+                    times[(variant, s_max)] / times[(variant, s_min)]
+                )
+    return out
+
+
+def run(
+    device: str, quick: bool, progress: Callable[[str], None] | None = None, *, use_compile: bool = True
+) -> dict:
+    """Run the suite: ``{"rows": [...], "summary": {...}, "plan": {...}}`` (see the module docstring)."""
+    p = plan(quick, use_compile)
+    report = progress or (lambda _description: None)
+    rows: list[dict] = []
+    for archetype in ARCHETYPES:
+        compiled = None
+        if archetype in p.compiled_archetypes:
+            torch._dynamo.reset()  # each archetype's compile time starts from an empty dynamo cache
+            compiled = _Compiled(torch.compile(native_step), _graphs_compiled())
+        for num_seqs in p.seq_counts:
+            rows.extend(_measure_bin(archetype, num_seqs, device, p, compiled, report))
+    return {
+        "rows": rows,
+        "summary": summarise(rows),
+        "plan": {
+            "num_tokens": p.num_tokens,
+            "seq_counts": list(p.seq_counts),
+            "warmup": p.warmup,
+            "repeat": p.repeat,
+            "reference_repeat": p.reference_repeat,
+            "compiled_archetypes": list(p.compiled_archetypes),
+            "rl_loss": "DPPO (prime-rl DefaultLossConfig)",
+            "threads": torch.get_num_threads(),
+        },
+    }

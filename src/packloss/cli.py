@@ -1,0 +1,113 @@
+"""The ``packloss`` command.
+
+* ``packloss bench [loss|distill|head|all] [--device cpu|cuda] [--quick] [--out DIR]`` runs the
+  benchmark suites (DESIGN.md §7), prints a table per suite, writes ``results.json`` and PNG plots.
+* ``packloss check MODULE:FUNCTION [--kwargs JSON]`` tells whether a custom rl loss function is
+  additive over the sequences of a packed bin (exit 0 PASS, 1 FAIL, 2 cannot check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+__all__ = ["main", "build_parser", "run_suite", "SUITES"]
+
+SUITES = ("loss", "distill", "head")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser: subcommands ``bench`` and ``check``, each with ``--help``."""
+    parser = argparse.ArgumentParser(
+        prog="packloss", description="Sync-free loss functions for LLM post-training on packed micro-batches."
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    bench = sub.add_parser(
+        "bench",
+        help="run the benchmark suites: tables, results.json and plots",
+        description="Time (and for distill/head, peak memory of) the loss paths against their references.",
+    )
+    bench.add_argument("suite", nargs="?", default="all", choices=(*SUITES, "all"), help="suite to run (default all)")
+    bench.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    bench.add_argument("--quick", action="store_true", help="small sizes and few repeats (about a minute on 2 cores)")
+    bench.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default bench-out)")
+    bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile column of the loss suite")
+    bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+
+    check = sub.add_parser(
+        "check",
+        help="check that a custom rl loss function is additive over packed sequences",
+        description=(
+            "Call a custom rl loss per sequence (as before prime-rl PR #2951) and once per packed bin "
+            "(packloss), compare losses and gradients; exit 0 PASS, 1 FAIL, 2 cannot import/check."
+        ),
+    )
+    check.add_argument("target", metavar="MODULE:FUNCTION", help="the loss function, importable from here")
+    check.add_argument("--kwargs", default=None, metavar="JSON", help="keyword arguments as a JSON object")
+    return parser
+
+
+def run_suite(name: str, device: str, quick: bool, progress: Callable[[str], None], use_compile: bool) -> dict:
+    """Import and run one suite; a missing or failing suite returns ``{"rows": [], "error": ...}``."""
+    start = time.perf_counter()
+    try:
+        module = importlib.import_module(f"packloss.bench.{name}")
+        if name == "loss":
+            result = module.run(device, quick, progress, use_compile=use_compile)
+        else:
+            result = module.run(device, quick, progress)
+    except Exception as exc:  # one suite's failure must not lose the others' figures
+        result = {"rows": [], "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    result["wall_s"] = time.perf_counter() - start
+    return result
+
+
+def _bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from packloss.bench import report
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print(f"packloss bench: error: --device {args.device} but CUDA is not available", file=sys.stderr)
+        return 2
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    suites = SUITES if args.suite == "all" else (args.suite,)
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict] = {}
+    with report.progress_display() as progress:
+        for name in suites:
+            progress.suite(name)
+            results[name] = run_suite(name, args.device, args.quick, progress, not args.no_compile)
+    payload = {
+        "machine": report.machine_info(args.device),
+        "options": {
+            "suite": args.suite,
+            "device": args.device,
+            "quick": args.quick,
+            "no_compile": args.no_compile,
+            "threads": args.threads,
+        },
+        "suites": results,
+    }
+    report.write_json(args.out / "results.json", payload)
+    plots = report.write_plots(results, args.out)
+    report.print_tables(results)
+    print(f"\nwrote {args.out / 'results.json'}" + "".join(f", {p}" for p in plots))
+    return 1 if any("error" in r for r in results.values()) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``packloss`` console script and of ``python -m packloss``; the exit code."""
+    args = build_parser().parse_args(argv)
+    if args.command == "bench":
+        return _bench(args)
+    from packloss.check import run as run_check
+
+    return run_check(args.target, args.kwargs)
