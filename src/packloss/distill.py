@@ -13,26 +13,28 @@ Each returns a scalar ``Σ_{members} loss_token / denominator`` that supports ``
 
 How (DESIGN.md §5): a custom :class:`torch.autograd.Function` computes, in its forward, the loss AND
 the gradient w.r.t. the student logits chunk by chunk over tokens, in float32 whatever the input
-dtype, with ``O(chunk × V)`` float32 scratch. It writes the gradient (already scaled by
-``1 / denominator``) into one ``[N, V]`` tensor of the logits' dtype and saves only that tensor;
-its backward returns ``grad_output * gradient``, multiplying in place so no second ``[N, V]``
-tensor is allocated (when the backward retains the graph, ``retain_graph=True``, it multiplies
-out of place instead, so repeated backwards stay correct). Masked tokens get exact zero gradient; their
-logits may hold anything (±inf, NaN): they are replaced by zeros before any arithmetic. There is
-no host synchronisation: denominators stay tensors, masking is ``masked_fill`` / ``torch.where``.
+dtype (float64 stays float64), with ``O(chunk × V)`` float32 scratch. It writes the gradient
+(already scaled by ``1 / denominator``) into one ``[N, V]`` tensor of the logits' dtype and saves
+only that tensor; its backward returns ``grad_output * gradient``, multiplying in place so no
+second ``[N, V]`` tensor is allocated (when the backward retains the graph, ``retain_graph=True``,
+it multiplies out of place instead, so repeated backwards stay correct). Masked tokens get exact
+zero gradient and contribute exactly 0 to the loss; their logits may hold anything (±inf, NaN):
+every operation is row-wise, and the masked rows are dropped with ``torch.where``. There is no host
+synchronisation: denominators stay tensors, masking is ``torch.where``.
 
-Reusable per-chunk core (imported by the fused LM head, ``packloss.head``). These are pure
-functions of one ``[c, V]`` block with stable signatures::
+Reusable per-chunk core (imported by the fused LM head, ``packloss.head``). Pure functions of one
+``[c, V]`` block (any float dtype, never modified) with stable signatures::
 
-    _chunk_reverse_kl(s, t, *, student_temperature, teacher_temperature, teacher_format)
-    _chunk_forward_kl(s, t, *, student_temperature, teacher_temperature, teacher_format)
-    _chunk_soft_cross_entropy(s, t, *, student_temperature, teacher_temperature, teacher_format)
-    _chunk_jsd(s, t, *, beta, student_temperature, teacher_temperature, teacher_format)
-        -> (loss_per_token [c] float32, grad_wrt_s [c, V] float32)
+    _chunk_reverse_kl(s, t, *, student_temperature=1.0, teacher_temperature=1.0, teacher_format="logits")
+    _chunk_forward_kl(s, t, *, student_temperature=1.0, teacher_temperature=1.0, teacher_format="logits")
+    _chunk_soft_cross_entropy(s, t, *, student_temperature=1.0, teacher_temperature=1.0,
+                              teacher_format="logits")
+    _chunk_jsd(s, t, *, beta, student_temperature=1.0, teacher_temperature=1.0, teacher_format="logits")
+        -> (loss_per_token [c], grad_wrt_s [c, V]), both in the compute dtype (float32, or float64)
 
-``s`` and ``t`` are float32 blocks that the function OWNS: it may overwrite them (pass a copy, or a
-freshly computed block such as a logits chunk from a matmul). ``_chunk_core`` wraps one of them with
-masking, scaling and dtype conversion; it is what the compiled path compiles.
+``_CHUNK_FNS`` maps the loss names to them. ``_chunk_core`` adds masking, ``1 / denominator``
+scaling and the cast to the logits' dtype; it is the one core that the eager path runs and the
+compiled path compiles.
 """
 
 from __future__ import annotations
@@ -51,44 +53,41 @@ TeacherFormat = Literal["logits", "logprobs", "probs"]
 Normalize = Literal["token", "position", "sum"]
 Impl = Literal["eager", "compiled"]
 
-# Float32 elements per chunk: rows = max(1, _CHUNK_ELEMENTS // V). 2**22 elements = 16 MiB per
-# float32 [c, V] buffer; the eager core keeps at most 4 of them alive.
-_CHUNK_ELEMENTS = 2**22
+# Elements per chunk: rows = max(1, elements // V). On CPU, 2**18 float32 elements (1 MiB per
+# buffer) keeps the ~5 live buffers of a chunk in cache, which measured several times faster than
+# 16 MiB chunks; on CUDA a chunk must be large enough to fill the device (256 MiB per buffer).
+_CHUNK_ELEMENTS: dict[str, int] = {"cpu": 2**18, "cuda": 2**26}
 
-# The measured default (docs/benchmarks.md, "Distillation (CPU)"): see `_default_impl`.
+# The measured default (docs/benchmarks.md, "Distillation (CPU)"); see the `impl` argument.
 _DEFAULT_IMPL: dict[str, Impl] = {"cpu": "eager", "cuda": "compiled"}
 
 
 # ---------------------------------------------------------------------------------------------------
-# Per-chunk pure math (float32 [c, V] blocks, owned by the callee).
+# Per-chunk pure math: [c, V] blocks in, (loss [c], gradient [c, V]) out, in the compute dtype.
 # ---------------------------------------------------------------------------------------------------
 
 
-def _student_log_probs(s: torch.Tensor, temperature: float) -> torch.Tensor:
-    """``log q = log_softmax(s / T_s)`` computed in ``s``'s storage. ``s``: ``[c, V]`` float32."""
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for fp32 / bf16 / fp16, float64 for float64."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _log_softmax(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``log_softmax(x / T)`` over the last dim in the compute dtype; ``x``: ``[c, V]``, unmodified."""
+    dtype = _compute_dtype(x.dtype)
     if temperature != 1.0:
-        s.div_(temperature)
-    return s.sub_(s.logsumexp(-1, keepdim=True))  # [c, V]
+        return torch.log_softmax(x.to(dtype).div(temperature), dim=-1)  # [c, V]
+    return torch.log_softmax(x, dim=-1, dtype=dtype)  # [c, V]
 
 
 def _teacher_log_probs(t: torch.Tensor, temperature: float, teacher_format: TeacherFormat) -> torch.Tensor:
-    """``log p = log_softmax(u / T_t)`` in ``t``'s storage, with ``u = t`` for logits and
-    log-probabilities (re-normalising is exact up to rounding) and ``u = log t`` for probabilities
-    (zero probabilities give ``log p = −inf``, i.e. ``p = 0``)."""
+    """``log p = log_softmax(u / T_t)`` with ``u = t`` for logits and log-probabilities (re-normalising
+    is exact up to rounding) and ``u = log t`` for probabilities (a zero gives ``log p = −inf``)."""
     if teacher_format == "probs":
-        t.log_()
+        t = t.to(_compute_dtype(t.dtype)).log()  # [c, V]
     elif teacher_format not in ("logits", "logprobs"):
         raise ValueError(f"teacher_format must be 'logits', 'logprobs' or 'probs', got {teacher_format!r}")
-    if temperature != 1.0:
-        t.div_(temperature)
-    return t.sub_(t.logsumexp(-1, keepdim=True))  # [c, V]
-
-
-def _xlogy_diff(weight: torch.Tensor, log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """``Σ_v w (log_a − log_b)`` per row with the convention ``0 · (anything) = 0`` (so ``w = 0``
-    where ``log_a = −inf`` contributes nothing). All ``[c, V]``; returns ``[c]``."""
-    term = weight * (log_a - log_b)  # [c, V]
-    return torch.where(weight > 0, term, 0.0).sum(-1)  # [c]
+    return _log_softmax(t, temperature)  # [c, V]
 
 
 def _chunk_reverse_kl(
@@ -101,19 +100,20 @@ def _chunk_reverse_kl(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reverse KL of one block: ``L = Σ_v q (log q − log p)``.
 
-    Gradient (``∂ log q_i / ∂a_j = δ_ij − q_j`` with ``a = s / T_s``)::
+    Gradient, with ``a = s / T_s``, ``∂ log q_i / ∂a_j = δ_ij − q_j`` and ``∂q_i/∂a_j = q_i (δ_ij − q_j)``:
+    ``∂L/∂a_j = q_j (log q_j − log p_j) − q_j L + Σ_i q_i (δ_ij − q_j) = q_j (log q_j − log p_j − L)``,
+    so::
 
         ∂L/∂s_j = q_j (log q_j − log p_j − L) / T_s
 
-    ``s``, ``t``: ``[c, V]`` float32, overwritten. Returns ``(L [c], ∂L/∂s [c, V])`` in float32. A
-    teacher with exact zero probabilities where ``q > 0`` gives ``L = +inf`` (the true value).
+    ``s``, ``t``: ``[c, V]``. Returns ``(L [c], ∂L/∂s [c, V])``. A teacher with exact zero
+    probabilities where ``q > 0`` gives ``L = +inf`` (the true value).
     """
-    log_q = _student_log_probs(s, student_temperature)  # [c, V], in s
-    log_p = _teacher_log_probs(t, teacher_temperature, teacher_format)  # [c, V], in t
-    q = log_q.exp()  # [c, V]
-    diff = log_p.neg_().add_(log_q)  # [c, V], log q − log p, in t
+    log_q = _log_softmax(s, student_temperature)  # [c, V]
+    diff = log_q - _teacher_log_probs(t, teacher_temperature, teacher_format)  # [c, V], log q − log p
+    q = log_q.exp_()  # [c, V]
     loss = (q * diff).sum(-1)  # [c]
-    grad = diff.sub_(loss.unsqueeze(-1)).mul_(q)  # [c, V], in t
+    grad = diff.sub_(loss.unsqueeze(-1)).mul_(q)  # [c, V]
     if student_temperature != 1.0:
         grad.div_(student_temperature)
     return loss, grad
@@ -127,22 +127,25 @@ def _chunk_forward_kl(
     teacher_temperature: float = 1.0,
     teacher_format: TeacherFormat = "logits",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward KL of one block: ``L = Σ_v p (log p − log q)`` (``p = 0`` terms are 0).
+    """Forward KL of one block: ``L = Σ_v p (log p − log q)`` (terms with ``p = 0`` are 0).
 
-    Gradient (``Σ_v p = 1``)::
+    Gradient (``L = Σ p log p − Σ p log q``, ``∂(−Σ_i p_i log q_i)/∂a_j = −p_j + q_j Σ_i p_i``,
+    ``Σ p = 1``)::
 
         ∂L/∂s_j = (q_j − p_j) / T_s
 
-    ``s``, ``t``: ``[c, V]`` float32, overwritten. Returns ``(L [c], ∂L/∂s [c, V])`` in float32.
+    ``s``, ``t``: ``[c, V]``. Returns ``(L [c], ∂L/∂s [c, V])``.
     """
-    log_q = _student_log_probs(s, student_temperature)  # [c, V], in s
-    log_p = _teacher_log_probs(t, teacher_temperature, teacher_format)  # [c, V], in t
+    log_q = _log_softmax(s, student_temperature)  # [c, V]
+    log_p = _teacher_log_probs(t, teacher_temperature, teacher_format)  # [c, V]
     p = log_p.exp()  # [c, V]
-    loss = _xlogy_diff(p, log_p, log_q)  # [c]
-    grad = log_q.exp_().sub_(p)  # [c, V], q − p, in s
+    term = p * log_p.sub_(log_q)  # [c, V], p (log p − log q)
+    if teacher_format == "probs":  # log p = −inf where p = 0: 0 · (−inf) must count 0
+        term = torch.where(p > 0, term, 0.0)
+    grad = log_q.exp_().sub_(p)  # [c, V], q − p
     if student_temperature != 1.0:
         grad.div_(student_temperature)
-    return loss, grad
+    return term.sum(-1), grad
 
 
 def _chunk_soft_cross_entropy(
@@ -155,16 +158,16 @@ def _chunk_soft_cross_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Soft cross-entropy of one block: ``L = −Σ_v p log q`` (= forward KL + H(p)).
 
-    Gradient (``∂L/∂a_j = −p_j + q_j Σ_v p_v`` and ``Σ_v p = 1``)::
+    Gradient (``∂L/∂a_j = −p_j + q_j Σ_i p_i`` and ``Σ p = 1``)::
 
         ∂L/∂s_j = (q_j − p_j) / T_s
 
-    ``s``, ``t``: ``[c, V]`` float32, overwritten. Returns ``(L [c], ∂L/∂s [c, V])`` in float32.
+    ``s``, ``t``: ``[c, V]``. Returns ``(L [c], ∂L/∂s [c, V])``.
     """
-    log_q = _student_log_probs(s, student_temperature)  # [c, V], in s
-    p = _teacher_log_probs(t, teacher_temperature, teacher_format).exp_()  # [c, V], in t
+    log_q = _log_softmax(s, student_temperature)  # [c, V]
+    p = _teacher_log_probs(t, teacher_temperature, teacher_format).exp_()  # [c, V]
     loss = -(p * log_q).sum(-1)  # [c]
-    grad = log_q.exp_().sub_(p)  # [c, V], q − p, in s
+    grad = log_q.exp_().sub_(p)  # [c, V], q − p
     if student_temperature != 1.0:
         grad.div_(student_temperature)
     return loss, grad
@@ -192,7 +195,7 @@ def _chunk_jsd(
         ∂L/∂s_j = (1 − β) q_j (log q_j − log m_j − KL(q‖m)) / T_s
 
     i.e. the reverse-KL gradient against ``m``, scaled by ``1 − β``.
-    ``s``, ``t``: ``[c, V]`` float32, overwritten. Returns ``(L [c], ∂L/∂s [c, V])`` in float32.
+    ``s``, ``t``: ``[c, V]``. Returns ``(L [c], ∂L/∂s [c, V])``.
     """
     kw = dict(
         student_temperature=student_temperature,
@@ -205,14 +208,17 @@ def _chunk_jsd(
         return _chunk_reverse_kl(s, t, **kw)
     if not 0.0 < beta < 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta}")
-    log_q = _student_log_probs(s, student_temperature)  # [c, V], in s
-    log_p = _teacher_log_probs(t, teacher_temperature, teacher_format)  # [c, V], in t
+    log_q = _log_softmax(s, student_temperature)  # [c, V]
+    log_p = _teacher_log_probs(t, teacher_temperature, teacher_format)  # [c, V]
     log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))  # [c, V]
-    kl_p = _xlogy_diff(log_p.exp(), log_p, log_m)  # [c], KL(p‖m)
-    diff = log_p.copy_(log_q).sub_(log_m)  # [c, V], log q − log m, in t
-    q = log_q.exp_()  # [c, V], in s
+    p = log_p.exp()  # [c, V]
+    term_p = p * log_p.sub_(log_m)  # [c, V], p (log p − log m)
+    if teacher_format == "probs":  # 0 · (−inf) must count 0
+        term_p = torch.where(p > 0, term_p, 0.0)
+    diff = log_m.neg_().add_(log_q)  # [c, V], log q − log m
+    q = log_q.exp_()  # [c, V]
     kl_q = (q * diff).sum(-1)  # [c], KL(q‖m)
-    loss = beta * kl_p + (1.0 - beta) * kl_q  # [c]
+    loss = beta * term_p.sum(-1) + (1.0 - beta) * kl_q  # [c]
     grad = diff.sub_(kl_q.unsqueeze(-1)).mul_(q).mul_((1.0 - beta) / student_temperature)  # [c, V]
     return loss, grad
 
@@ -226,8 +232,8 @@ _CHUNK_FNS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
 
 
 def _chunk_core(
-    s_raw: torch.Tensor,
-    t_raw: torch.Tensor,
+    s: torch.Tensor,
+    t: torch.Tensor,
     mask: torch.Tensor | None,
     scale: torch.Tensor,
     kind: str,
@@ -235,22 +241,16 @@ def _chunk_core(
     teacher_temperature: float,
     teacher_format: TeacherFormat,
     beta: float,
-    grad_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One chunk, end to end: ``(scale · Σ_{members} L, scale · ∂L/∂s in grad_dtype)``.
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One chunk end to end: ``scale · Σ_{members} L`` and ``scale · ∂L/∂s`` with exact zero rows
+    for non-members, cast to ``s.dtype``.
 
-    ``s_raw``, ``t_raw``: ``[c, V]`` slices of the caller's tensors (any float dtype, never
-    modified); ``mask``: ``[c]`` bool or None (all members); ``scale``: 0-d tensor
-    (``1 / denominator``) in the compute dtype (float32, or float64 for float64 logits).
-    Non-member rows are replaced by zeros (uniform distributions) before any arithmetic, so
-    whatever they hold cannot leak, and their gradient rows are exact zeros.
+    ``s``, ``t``: ``[c, V]`` slices of the caller's tensors (never modified); ``mask``: ``[c]`` bool
+    or None (all members); ``scale``: 0-d tensor ``1 / denominator`` in the compute dtype. With
+    ``out`` (``[c, V]``, ``s.dtype``) the gradient is written there (eager: no extra buffer) and
+    None is returned in its place; without, it is returned (compiled: no mutated inputs).
     """
-    s = s_raw.to(scale.dtype, copy=True)  # [c, V], owned scratch
-    t = t_raw.to(scale.dtype, copy=True)  # [c, V], owned scratch
-    if mask is not None:
-        outside = ~mask.unsqueeze(-1)  # [c, 1]
-        s.masked_fill_(outside, 0.0)
-        t.masked_fill_(outside, 1.0 if teacher_format == "probs" else 0.0)
     kw = dict(
         student_temperature=student_temperature,
         teacher_temperature=teacher_temperature,
@@ -259,23 +259,26 @@ def _chunk_core(
     if kind == "jsd":
         kw["beta"] = beta
     loss, grad = _CHUNK_FNS[kind](s, t, **kw)  # [c], [c, V]
-    if mask is not None:
-        loss = torch.where(mask, loss, 0.0)
-        grad.masked_fill_(outside, 0.0)
-    return loss.sum() * scale, grad.mul_(scale).to(grad_dtype)
+    grad = grad.mul_(scale)  # [c, V]
+    if mask is None:
+        if out is None:
+            return loss.sum() * scale, grad.to(s.dtype)
+        out.copy_(grad)
+        return loss.sum() * scale, None
+    total = torch.where(mask, loss, 0.0).sum() * scale  # drops whatever non-member rows produced
+    keep = mask.unsqueeze(-1)  # [c, 1]
+    if out is None:
+        return total, torch.where(keep, grad, 0.0).to(s.dtype)
+    out.copy_(grad.masked_fill_(~keep, 0.0))  # [c, V], cast to the logits' dtype
+    return total, None
 
 
 @functools.cache
-def _compiled_core() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """``_chunk_core`` under ``torch.compile`` with dynamic shapes (no recompilation per N or V).
-
-    Inductor functionalises the in-place ops of the core, so this is the out-of-place program,
-    fused."""
+def _compiled_core() -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    """``_chunk_core`` under ``torch.compile(dynamic=True)``: one graph for every chunk height and
+    vocabulary size (no recompilation per N). Inductor functionalises the core's in-place ops, so
+    this is the out-of-place program, fused into a few kernels."""
     return torch.compile(_chunk_core, dynamic=True)
-
-
-def _default_impl(device: torch.device) -> Impl:
-    return _DEFAULT_IMPL.get(device.type, "eager")
 
 
 @dataclass(frozen=True)
@@ -309,13 +312,11 @@ class _DistillFunction(torch.autograd.Function):
         spec: _Spec,
     ) -> torch.Tensor:
         n = student.shape[0]
-        core = _compiled_core() if spec.impl == "compiled" else _chunk_core
-        need_grad = ctx.needs_input_grad[0]
-        grad = torch.empty_like(student) if need_grad else None  # [N, V], logits dtype
+        grad = torch.empty_like(student) if ctx.needs_input_grad[0] else None  # [N, V], logits dtype
         total = torch.zeros((), dtype=scale.dtype, device=student.device)
         for start in range(0, n, spec.chunk_size):
             stop = min(start + spec.chunk_size, n)
-            loss_c, grad_c = core(
+            args = (
                 student[start:stop],
                 teacher[start:stop],
                 None if mask is None else mask[start:stop],
@@ -325,11 +326,14 @@ class _DistillFunction(torch.autograd.Function):
                 spec.teacher_temperature,
                 spec.teacher_format,
                 spec.beta,
-                student.dtype,
             )
+            if spec.impl == "compiled":
+                loss_c, grad_c = _compiled_core()(*args)
+                if grad is not None:
+                    grad[start:stop].copy_(grad_c)
+            else:
+                loss_c, _ = _chunk_core(*args, out=None if grad is None else grad[start:stop])
             total = total + loss_c
-            if grad is not None:
-                grad[start:stop].copy_(grad_c)
         if grad is not None:
             ctx.save_for_backward(grad)
         return total
@@ -396,16 +400,16 @@ def _distill(
         raise ValueError("temperatures must be positive")
     if teacher_format not in ("logits", "logprobs", "probs"):
         raise ValueError(f"teacher_format must be 'logits', 'logprobs' or 'probs', got {teacher_format!r}")
-    impl = impl or _default_impl(student_logits.device)
+    impl = impl or _DEFAULT_IMPL.get(student_logits.device.type, "compiled")
     if impl not in ("eager", "compiled"):
         raise ValueError(f"impl must be 'eager', 'compiled' or None, got {impl!r}")
-    rows = chunk_size or max(1, _CHUNK_ELEMENTS // max(v, 1))
+    elements = _CHUNK_ELEMENTS.get(student_logits.device.type, _CHUNK_ELEMENTS["cuda"])
+    rows = chunk_size or max(1, elements // max(v, 1))
     spec = _Spec(
         kind, float(student_temperature), float(teacher_temperature), teacher_format, float(beta), rows, impl
     )
-    # float32 math for fp32 / bf16 / fp16 logits, float64 for float64 (gradcheck)
-    compute_dtype = torch.promote_types(student_logits.dtype, torch.float32)
-    scale = _scale(normalize, denominator, loss_mask, n, student_logits.device, compute_dtype)
+    dtype = _compute_dtype(student_logits.dtype)
+    scale = _scale(normalize, denominator, loss_mask, n, student_logits.device, dtype)
     return _DistillFunction.apply(student_logits, teacher_logits.detach(), loss_mask, scale, spec)
 
 
@@ -423,7 +427,8 @@ _COMMON_DOC = """
         normalize: ``"token"`` divides the sum over members by the member count (at least 1),
             ``"position"`` by N, ``"sum"`` by 1. ``denominator`` (tensor or number) replaces the
             token / position count, e.g. a global token count shared by micro-batches.
-        chunk_size: tokens per chunk (default: ``2**22 // V``, 16 MiB of float32 per buffer).
+        chunk_size: tokens per chunk (default: ``2**18 // V`` on CPU, cache-sized; ``2**26 // V``
+            on CUDA).
         impl: ``"eager"`` (in-place float32 core, ≤ 4 ``[chunk, V]`` buffers), ``"compiled"``
             (the same core under ``torch.compile(dynamic=True)``: fused, out-of-place after
             functionalisation) or None: the measured default, ``"eager"`` on CPU (faster there, see
