@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -61,3 +62,30 @@ def scales(batch: PackedBatch) -> dict:
     ce = torch.zeros(1) if batch.ce_weights is None else batch.ce_weights != 0
     ref_kl = torch.zeros(1) if batch.ref_kl_weights is None else batch.ref_kl_weights != 0
     return {f"{k}_scale": max(int(m.sum()), 1) for k, m in (("rl", rl), ("ce", ce), ("ref_kl", ref_kl))}
+
+
+def poison_non_members(batch: PackedBatch) -> tuple[PackedBatch, int, int]:
+    """Put trn − inf = +100 on one rl non-member and inf/NaN in unused streams of another token."""
+    members = batch.loss_mask.clone()
+    for w in (batch.ce_weights, batch.ref_kl_weights):
+        if w is not None:
+            members |= w != 0
+    free = (~members).nonzero().flatten().tolist()
+    a, b = free[0], free[-1]
+    trn = batch.trainer_logprobs.detach().clone()
+    inf = batch.inference_logprobs.clone()
+    trn[a], inf[a] = 0.0, -100.0
+    adv = batch.advantages.clone()
+    adv[b] = float("inf")
+    replaced = dict(trainer_logprobs=trn.requires_grad_(), inference_logprobs=inf, advantages=adv)
+    inf[b] = float("nan")
+    if batch.ref_logprobs is not None:
+        ref = batch.ref_logprobs.clone()
+        ref[b] = float("nan")
+        replaced["ref_logprobs"] = ref
+    if batch.rl_weights is not None:
+        rl_w = batch.rl_weights.clone()
+        rl_w[b] = float("nan")  # b is outside loss_mask, so it is not an rl member either way
+        replaced["rl_weights"] = rl_w
+    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.init}
+    return PackedBatch(**{**fields, **replaced}), a, b

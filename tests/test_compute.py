@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import CONFIGS, as_lists, bin_of, scales
+from conftest import CONFIGS, as_lists, bin_of, poison_non_members, scales
 from packloss import DPPO, IPO, REF_KL, PackedBatch, PGParams, compute_loss, merge_metrics
 from packloss.compat import prime_rl
 from packloss.testing import ARCHETYPES, OpCounter
@@ -66,37 +66,10 @@ def test_op_counter_detects_syncs():
     assert counter.num_syncs >= 3
 
 
-def _poison(batch: PackedBatch) -> tuple[PackedBatch, int, int]:
-    """Put trn − inf = +100 on one rl non-member and inf/NaN in unused streams of another token."""
-    members = batch.loss_mask.clone()
-    for w in (batch.ce_weights, batch.ref_kl_weights):
-        if w is not None:
-            members |= w != 0
-    free = (~members).nonzero().flatten().tolist()
-    a, b = free[0], free[-1]
-    trn = batch.trainer_logprobs.detach().clone()
-    inf = batch.inference_logprobs.clone()
-    trn[a], inf[a] = 0.0, -100.0
-    adv = batch.advantages.clone()
-    adv[b] = float("inf")
-    replaced = dict(trainer_logprobs=trn.requires_grad_(), inference_logprobs=inf, advantages=adv)
-    inf[b] = float("nan")
-    if batch.ref_logprobs is not None:
-        ref = batch.ref_logprobs.clone()
-        ref[b] = float("nan")
-        replaced["ref_logprobs"] = ref
-    if batch.rl_weights is not None:
-        rl_w = batch.rl_weights.clone()
-        rl_w[b] = float("nan")  # b is outside loss_mask, so it is not an rl member either way
-        replaced["rl_weights"] = rl_w
-    fields = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.init}
-    return PackedBatch(**{**fields, **replaced}), a, b
-
-
 @pytest.mark.parametrize("rl", [DPPO, IPO, PGParams(dppo_mask_high=10.0)], ids=["dppo", "ipo", "dppo_high10"])
 def test_non_member_extremes_change_nothing(archetype, rl):
     clean = bin_of(archetype)
-    poisoned, a, _ = _poison(clean)
+    poisoned, a, _ = poison_non_members(clean)
     assert (poisoned.trainer_logprobs - poisoned.inference_logprobs)[a].item() == 100.0
     out_clean = compute_loss(clean, rl, **scales(clean))
     out_poisoned = compute_loss(poisoned, rl, **scales(clean))

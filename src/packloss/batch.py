@@ -96,6 +96,17 @@ class PackedBatch:
     def num_seqs(self) -> int:
         return len(self.seq_lens)
 
+    def component_masks(self) -> dict[str, Tensor]:
+        """The member mask ``[N]`` of each active component: ``rl`` always (``loss_mask``, intersected
+        with ``rl_weights != 0`` when given), ``ce`` / ``ref_kl`` when their weight stream is given."""
+        rl = self.loss_mask if self.rl_weights is None else self.loss_mask & (self.rl_weights != 0)
+        masks = {"rl": rl}
+        if self.ce_weights is not None:
+            masks["ce"] = self.ce_weights != 0
+        if self.ref_kl_weights is not None:
+            masks["ref_kl"] = self.ref_kl_weights != 0
+        return masks
+
     def validate(self, deep: bool = False) -> PackedBatch:
         """Raise a ``TypeError``/``ValueError`` naming the bad argument; return ``self``.
 

@@ -17,6 +17,7 @@ not depend on the number of sequences.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -25,8 +26,9 @@ from torch import Tensor
 from packloss.batch import PackedBatch
 from packloss.ce import ce_loss
 from packloss.component import LossFn, LossInputs, LossOutputs
+from packloss.normalize import COMPONENTS, check_mode, local_denominator
 from packloss.pg import DPPO, REF_KL
-from packloss.segments import segment_count
+from packloss.segments import broadcast, segment_count
 
 __all__ = ["LossResult", "compute_loss"]
 
@@ -58,6 +60,28 @@ def _graph_anchor(trn: Tensor) -> Tensor:
     return trn[:0].sum(dtype=torch.float32)
 
 
+def _modes(normalize: str | Mapping[str, str]) -> dict[str, str]:
+    if isinstance(normalize, str):
+        modes = dict.fromkeys(COMPONENTS, normalize)
+    elif isinstance(normalize, Mapping):
+        unknown = set(normalize) - set(COMPONENTS)
+        if unknown:
+            raise ValueError(f"normalize has unknown component(s) {sorted(unknown)}; choose from {COMPONENTS}")
+        modes = {c: normalize.get(c, "token") for c in COMPONENTS}
+    else:
+        raise TypeError(f"normalize must be a str or a mapping, got {type(normalize).__name__}")
+    for name, mode in modes.items():
+        check_mode(name, mode)
+    return modes
+
+
+def _per_sequence_mean_weights(batch: PackedBatch, mask: Tensor, weights: Tensor | None) -> Tensor:
+    """``w_t / n_{s(t)}``: the weights that turn a token sum into a sum of per-sequence means."""
+    per_seq = segment_count(mask, batch.seq_ids, batch.num_seqs).clamp_min(1)  # [S]
+    inv = 1.0 / broadcast(per_seq, batch.seq_ids)  # [N]
+    return inv if weights is None else weights.to(torch.float32) * inv
+
+
 def compute_loss(
     batch: PackedBatch,
     rl: LossFn = DPPO,
@@ -66,6 +90,7 @@ def compute_loss(
     rl_scale: Scale = None,
     ce_scale: Scale = None,
     ref_kl_scale: Scale = None,
+    normalize: str | Mapping[str, str] = "token",
     per_sequence_metrics: bool = False,
 ) -> LossResult:
     """Loss and metrics of one packed bin.
@@ -75,8 +100,13 @@ def compute_loss(
         rl: the rl component's loss — a ``PGParams`` (``DPPO``, ``IPO``, ...) or a custom
             ``LossFn(LossInputs) -> LossOutputs`` called once with the whole bin and its layout.
         ref_kl: the ref_kl component's loss (default :data:`~packloss.pg.REF_KL`).
-        rl_scale, ce_scale, ref_kl_scale: each component's denominator (number or tensor); ``None``
-            uses the component's member count in this bin.
+        rl_scale, ce_scale, ref_kl_scale: each component's denominator (number or tensor), e.g. from
+            :func:`~packloss.normalize.count_denominators`; ``None`` uses this bin's own count for the
+            component's mode (required for ``constant``).
+        normalize: one mode of :data:`~packloss.normalize.NORMALIZE_MODES` for every component, or
+            ``{"rl": ..., "ce": ..., "ref_kl": ...}`` (missing components: ``token``). ``sequence_mean``
+            divides each token's loss by its sequence's member count (through the weights) before
+            the sum.
         per_sequence_metrics: report ``[S]`` metrics and counts instead of scalars.
 
     Returns:
@@ -88,32 +118,31 @@ def compute_loss(
     for name, fn in (("rl", rl), ("ref_kl", ref_kl)):
         if not callable(fn):
             raise TypeError(f"{name} must be a PGParams or a callable LossFn, got {type(fn).__name__}")
-    for name, scale in (("rl_scale", rl_scale), ("ce_scale", ce_scale), ("ref_kl_scale", ref_kl_scale)):
-        _check_scale(name, scale)
+    scales = {"rl": rl_scale, "ce": ce_scale, "ref_kl": ref_kl_scale}
+    for name, scale in scales.items():
+        _check_scale(f"{name}_scale", scale)
+    modes = _modes(normalize)
 
-    rl_mask = batch.loss_mask
-    if batch.rl_weights is not None:
-        rl_mask = rl_mask & (batch.rl_weights != 0)
-    components: list[tuple[str, LossFn, Tensor, Tensor | None, Scale]] = [
-        ("rl", rl, rl_mask, batch.rl_weights, rl_scale)
-    ]
-    if batch.ce_weights is not None:
-        components.append(("ce", ce_loss, batch.ce_weights != 0, batch.ce_weights, ce_scale))
-    if batch.ref_kl_weights is not None:
-        components.append(("ref_kl", ref_kl, batch.ref_kl_weights != 0, batch.ref_kl_weights, ref_kl_scale))
+    fns = {"rl": rl, "ce": ce_loss, "ref_kl": ref_kl}
+    weights = {"rl": batch.rl_weights, "ce": batch.ce_weights, "ref_kl": batch.ref_kl_weights}
 
     trn = batch.trainer_logprobs
     total: Tensor | None = None
     metrics: dict[str, Tensor] = {}
     counts: dict[str, Tensor] = {}
-    for name, fn, mask, weights, scale in components:
+    for name, mask in batch.component_masks().items():
+        fn, w, scale, mode = fns[name], weights[name], scales[name], modes[name]
+        if mode == "constant" and scale is None:
+            raise ValueError(f"normalize[{name!r}]='constant' needs {name}_scale (the constant C)")
+        if mode == "sequence_mean":
+            w = _per_sequence_mean_weights(batch, mask, w)
         inputs = LossInputs(
             trainer_logprobs=trn,
             inference_logprobs=batch.inference_logprobs,
             ref_logprobs=batch.ref_logprobs,
             advantages=batch.advantages,
             loss_mask=mask,
-            loss_weights=weights,
+            loss_weights=w,
             seq_ids=batch.seq_ids,
             cu_seqlens=batch.cu_seqlens,
             num_seqs=batch.num_seqs,
@@ -125,7 +154,7 @@ def compute_loss(
         loss = out.loss.to(torch.float32)
         if not loss.requires_grad and trn.requires_grad:
             loss = loss + _graph_anchor(trn)
-        denom = scale if scale is not None else mask.sum(dtype=torch.float32).clamp_min(1)
+        denom = scale if scale is not None else local_denominator(batch, mask, mode)
         total = loss / denom if total is None else total + loss / denom
 
         members = (

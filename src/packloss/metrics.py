@@ -2,7 +2,8 @@
 
 Every metric comes with the member count it was taken over, so the merged value is the
 token-weighted mean ``Σ_i value_i · count_i / max(Σ_i count_i, 1)``, exactly what one call over all
-the tokens would have reported.
+the tokens would have reported. Metrics named ``*_min`` / ``*_max`` merge by min / max over the parts
+with a non-zero count.
 """
 
 from __future__ import annotations
@@ -31,13 +32,34 @@ def merge_metrics(parts: Iterable[object]) -> Metrics:
             count = counts[key]
             if value.dim() != 0:
                 raise ValueError(f"metric {key!r} is per-sequence (shape {tuple(value.shape)}); merge scalars only")
-            sums[key] = sums.get(key, 0) + value * count
+            reduce = _extreme(key)
+            if reduce is None:
+                sums[key] = sums.get(key, 0) + value * count
+            else:
+                fill = torch.full_like(value, float("inf") if reduce is torch.minimum else float("-inf"))
+                candidate = torch.where(count > 0, value, fill)
+                sums[key] = reduce(sums[key], candidate) if key in sums else candidate
             totals[key] = totals.get(key, 0) + count
-    return {k: sums[k] / totals[k].clamp_min(1) for k in sums}, totals
+    merged = {}
+    for key, total in totals.items():
+        if _extreme(key) is None:
+            merged[key] = sums[key] / total.clamp_min(1)
+        else:
+            merged[key] = torch.where(total > 0, sums[key], 0.0)
+    return merged, totals
+
+
+def _extreme(key: str):
+    if key.endswith("_min"):
+        return torch.minimum
+    if key.endswith("_max"):
+        return torch.maximum
+    return None
 
 
 def all_reduce_metrics(metrics: dict[str, Tensor], counts: dict[str, Tensor], group=None) -> Metrics:
-    """Token-weighted merge over the ranks of ``group`` with one ``all_reduce`` of a ``[2, K]`` tensor.
+    """Token-weighted merge over the ranks of ``group`` with one ``all_reduce`` of a ``[2, K]`` tensor
+    (plus one MIN and one MAX all-reduce when ``*_min`` / ``*_max`` metrics are present).
 
     Every rank must pass the same metric names (in any order).
     """
@@ -46,5 +68,13 @@ def all_reduce_metrics(metrics: dict[str, Tensor], counts: dict[str, Tensor], gr
         [torch.stack([metrics[k] * counts[k] for k in keys]), torch.stack([counts[k] for k in keys])]
     ).to(torch.float32)  # [2, K]
     dist.all_reduce(packed, group=group)
-    merged = packed[0] / packed[1].clamp_min(1)
-    return {k: merged[i] for i, k in enumerate(keys)}, {k: packed[1, i] for i, k in enumerate(keys)}
+    merged = {k: packed[0, i] / packed[1, i].clamp_min(1) for i, k in enumerate(keys)}
+    extremes = ((torch.minimum, dist.ReduceOp.MIN, float("inf")), (torch.maximum, dist.ReduceOp.MAX, float("-inf")))
+    for reduce, op, fill in extremes:
+        extreme_keys = [k for k in keys if _extreme(k) is reduce]
+        if extreme_keys:
+            values = torch.stack([torch.where(counts[k] > 0, metrics[k], fill) for k in extreme_keys]).to(torch.float32)
+            dist.all_reduce(values, op=op, group=group)
+            for i, k in enumerate(extreme_keys):
+                merged[k] = torch.where(packed[1, keys.index(k)] > 0, values[i], 0.0)
+    return merged, {k: packed[1, i] for i, k in enumerate(keys)}
