@@ -123,7 +123,11 @@ def print_tables(results: dict[str, dict], out: TextIO = sys.stdout) -> None:
         from rich.table import Table
     except ImportError:
         Console = None  # noqa: N806
-    console = Console(file=out) if Console is not None else None
+    console = None
+    if Console is not None:
+        console = Console(file=out)
+        if not console.is_terminal:  # a file or a pipe: wide enough for every column, not 80
+            console = Console(file=out, width=160)
     for suite, result in results.items():
         title = f"packloss bench {suite}"
         if "error" in result:
@@ -194,16 +198,20 @@ def _plot_loss_times(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    styles = {"reference": "o-", "eager": "s-", "compiled": "^-"}
+    styles = {"reference": ("o", "-"), "eager": ("s", "--"), "compiled": ("^", ":")}
+    archetypes = list(dict.fromkeys(r["archetype"] for r in rows))
     for variant in dict.fromkeys(r["variant"] for r in rows):
-        for archetype in dict.fromkeys(r["archetype"] for r in rows):
+        marker, line = styles.get(variant, ("x", "-."))
+        for i, archetype in enumerate(archetypes):
             mine = [r for r in rows if (r["variant"], r["archetype"]) == (variant, archetype)]
             points = sorted((r["num_seqs"], r["time_ms"]) for r in mine)
             if points:
                 xs, ys = zip(*points, strict=True)
-                ax.plot(xs, ys, styles.get(variant, "x-"), label=f"{variant} · {archetype}")
+                ax.plot(xs, ys, marker=marker, linestyle=line, color=f"C{i}", label=f"{variant} · {archetype}")
     ax.set_xscale("log")
     ax.set_yscale("log")
+    seq_counts = sorted({r["num_seqs"] for r in rows})
+    ax.set_xticks(seq_counts, [str(s) for s in seq_counts])
     ax.set_xlabel("sequences per bin")
     ax.set_ylabel("forward+backward, median ms")
     tokens = sorted({r["num_tokens"] for r in rows})

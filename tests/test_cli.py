@@ -1,0 +1,178 @@
+"""The ``packloss`` command: ``bench loss --quick`` output (table, JSON schema, plots, op counts) and
+``check`` verdicts on additive and non-additive custom losses."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from packloss.bench import loss as loss_suite
+from packloss.cli import main
+from packloss.compute import compute_loss
+from packloss.testing import OpCounter
+
+TESTS = Path(__file__).parent
+ROW_FIELDS = {
+    "suite": str,
+    "shape": str,
+    "archetype": str,
+    "num_tokens": int,
+    "num_seqs": int,
+    "variant": str,
+    "time_ms": float,
+    "speedup_vs_reference": float,
+}
+OPTIONAL_FIELDS = {"aten_ops": int, "syncs": int, "first_call_s": float, "graphs": int, "peak_bytes": int}
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory) -> tuple[int, Path, str]:
+    """One in-process ``packloss bench loss --quick`` (the compiled column on the hot path included)."""
+    out = tmp_path_factory.mktemp("bench")
+    threads = torch.get_num_threads()
+    try:
+        code = main(["bench", "loss", "--quick", "--out", str(out), "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    return code, out, (out / "results.json").read_text()
+
+
+def test_bench_quick_exits_zero_and_writes_outputs(quick_run):
+    code, out, _ = quick_run
+    assert code == 0
+    assert (out / "results.json").is_file()
+    assert (out / "loss_time.png").is_file()
+
+
+def test_bench_json_schema(quick_run):
+    _, _, text = quick_run
+    payload = json.loads(text)
+    assert set(payload) == {"machine", "options", "suites"}
+    machine = payload["machine"]
+    for key in ("platform", "cpu_model", "cpu_cores", "torch", "device", "date"):
+        assert key in machine
+    assert machine["torch"] == torch.__version__ and machine["device"] == "cpu"
+    assert payload["options"]["quick"] is True
+    result = payload["suites"]["loss"]
+    assert "error" not in result
+    plan = loss_suite.plan(quick=True)
+    rows = result["rows"]
+    expected = len(loss_suite.ARCHETYPES) * len(plan.seq_counts) * 2 + len(plan.seq_counts)  # + compiled hot
+    assert len(rows) == expected
+    for row in rows:
+        for key, kind in ROW_FIELDS.items():
+            assert isinstance(row[key], kind), (key, row)
+        for key, kind in OPTIONAL_FIELDS.items():
+            assert row[key] is None or isinstance(row[key], kind), (key, row)
+        assert row["time_ms"] > 0
+        assert row["variant"] in loss_suite.VARIANTS and row["archetype"] in loss_suite.ARCHETYPES
+        if row["variant"] == "compiled":
+            assert row["first_call_s"] > 0 and row["graphs"] >= 1
+        else:
+            assert row["aten_ops"] > 0 and row["syncs"] >= 0
+    assert {r["num_seqs"] for r in rows} == set(plan.seq_counts)
+    assert any(r["variant"] == "compiled" for r in rows)
+    for archetype in loss_suite.ARCHETYPES:
+        assert set(result["summary"][archetype]) >= {f"eager_speedup_at_{max(plan.seq_counts)}"}
+
+
+def test_bench_native_rows_are_sync_free_and_flat_in_op_count(quick_run):
+    rows = json.loads(quick_run[2])["suites"]["loss"]["rows"]
+    for archetype in loss_suite.ARCHETYPES:
+        eager = [r for r in rows if (r["archetype"], r["variant"]) == (archetype, "eager")]
+        assert {r["syncs"] for r in eager} == {0}
+        assert len({r["aten_ops"] for r in eager}) == 1  # independent of sequences per bin
+
+
+def test_bench_op_counts_equal_the_counters_own(quick_run):
+    rows = json.loads(quick_run[2])["suites"]["loss"]["rows"]
+    plan = loss_suite.plan(quick=True)
+    row = next(r for r in rows if (r["archetype"], r["variant"], r["num_seqs"]) == ("echo", "eager", 16))
+    batch = loss_suite.bin_for("echo", plan.num_tokens, 16, "cpu")
+    scales = {k: torch.tensor(float(v)) for k, v in loss_suite.integer_scales(batch).items()}
+    with OpCounter() as counter:
+        compute_loss(batch, **scales).loss.backward()
+    assert (row["aten_ops"], row["syncs"]) == (counter.total, counter.num_syncs)
+
+
+def test_bench_plots_are_valid_pngs(quick_run):
+    path = quick_run[1] / "loss_time.png"
+    with Image.open(path) as image:
+        image.verify()
+    with Image.open(path) as image:
+        assert image.format == "PNG" and image.size[0] > 100 and image.size[1] > 100
+
+
+def _fake_distill_run(device: str, quick: bool, progress=None) -> dict:
+    rows = [
+        {"shape": "64x128", "variant": v, "time_ms": 1.0, "peak_bytes": b}
+        for v, b in (("naive_eager", 3 << 20), ("packloss_eager", 1 << 20))
+    ]
+    return {"rows": rows}
+
+
+def test_bench_all_reports_a_missing_suite_and_plots_memory(monkeypatch, tmp_path):
+    distill = types.ModuleType("packloss.bench.distill")
+    distill.run = _fake_distill_run
+    monkeypatch.setitem(sys.modules, "packloss.bench.distill", distill)
+    monkeypatch.setitem(sys.modules, "packloss.bench.head", None)  # importing head now raises
+    monkeypatch.setattr(loss_suite, "run", lambda device, quick, progress, use_compile: {"rows": []})
+    code = main(["bench", "all", "--quick", "--out", str(tmp_path)])
+    payload = json.loads((tmp_path / "results.json").read_text())
+    assert code == 1
+    assert "error" in payload["suites"]["head"] and payload["suites"]["head"]["rows"] == []
+    assert "error" not in payload["suites"]["loss"] and "error" not in payload["suites"]["distill"]
+    with Image.open(tmp_path / "distill_memory.png") as image:
+        image.verify()
+
+
+@pytest.mark.parametrize(
+    ("target", "kwargs", "expected"),
+    [
+        ("custom_losses:additive_loss", None, 0),
+        ("custom_losses:additive_loss", '{"coef": 0.5}', 0),
+        ("custom_losses:per_sequence_mean_naive", None, 1),
+        ("custom_losses:per_sequence_mean_segmented", None, 0),
+        ("custom_losses:no_such_function", None, 2),
+        ("no_such_module_xyz:fn", None, 2),
+        ("custom_losses:additive_loss", "[1, 2]", 2),
+    ],
+)
+def test_check_exit_codes(target, kwargs, expected, capsys):
+    argv = ["check", target] + ([] if kwargs is None else ["--kwargs", kwargs])
+    assert main(argv) == expected
+    out = capsys.readouterr().out
+    if expected == 0:
+        assert "PASS" in out
+    if expected == 1:
+        assert "FAIL" in out and "seq_ids" in out and "cu_seqlens" in out and "packloss.segments" in out
+
+
+def test_python_m_packloss_check_imports_from_the_current_directory():
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "packloss", "check", "custom_losses:per_sequence_mean_naive"],
+        cwd=TESTS,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "FAIL" in proc.stdout and "num_seqs" in proc.stdout
+
+
+def test_help_of_every_subcommand(capsys):
+    for argv in (["--help"], ["bench", "--help"], ["check", "--help"]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 0
+    assert "MODULE:FUNCTION" in capsys.readouterr().out
