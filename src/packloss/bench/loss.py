@@ -12,15 +12,18 @@ bin), three implementations run on the same bin:
   graphs dynamo has compiled for the archetype so far, so a recompile per packing shows as a count
   that grows with the row.
 
-Per row: median forward+backward ``time_ms`` after warm-up, the aten-op and sync counts of one call
-(:class:`packloss.testing.OpCounter`; ``None`` for ``compiled``, whose inductor kernels are not aten
-ops) and ``speedup_vs_reference`` measured in the same run. Every implementation divides by the same
-integer member counts (a trainer's global scales), as ints for the reference and as 0-d tensors for
+Per row: median forward+backward ``time_ms`` after warm-up (the native columns time their packings
+round-robin, one call of each per round, so that load from other processes spreads over all of
+them), the aten-op and sync counts of one call (:class:`packloss.testing.OpCounter`; ``None`` for
+``compiled``, whose inductor kernels are not aten ops) and ``speedup_vs_reference`` measured in the
+same run. Every implementation divides by the same integer member counts (a trainer's global
+scales), as ints for the reference and as 0-d tensors for
 the native calls so that compiled code never specialises on them.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,40 +162,63 @@ class _Compiled:
     graphs_before: int
 
 
-def _measure_bin(
-    archetype: str, num_seqs: int, device: str, p: Plan, compiled: _Compiled | None, progress: Callable[[str], None]
+def _interleaved_ms(steps: dict[int, Callable[[], None]], device: str, warmup: int, repeat: int) -> dict[int, float]:
+    """Median ms of each step, timed round-robin (one call of each per round) so that a burst of
+    load from other processes hits every packing alike instead of one packing's whole measurement."""
+    if warmup > 0:
+        for step in steps.values():
+            time_ms(step, device, warmup=warmup - 1, repeat=1)
+    times: dict[int, list[float]] = {k: [] for k in steps}
+    for _ in range(repeat):
+        for k, step in steps.items():
+            times[k].append(time_ms(step, device, warmup=0, repeat=1))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _first_call_s(step: Callable[[], None], device: str) -> float:
+    """Wall seconds of one call (a compilation or recompilation included)."""
+    t0 = time.perf_counter()
+    step()
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def _measure_archetype(
+    archetype: str, device: str, p: Plan, compiled: _Compiled | None, progress: Callable[[str], None]
 ) -> list[dict]:
-    batch = bin_for(archetype, p.num_tokens, num_seqs, device)
-    scales = integer_scales(batch)
-    rows = []
+    """Reference, eager and (optionally) compiled rows of one archetype at every packing of the plan."""
+    bins = {s: bin_for(archetype, p.num_tokens, s, device) for s in p.seq_counts}
+    scales = {s: integer_scales(b) for s, b in bins.items()}
+    rows: dict[tuple[str, int], dict] = {}
 
-    progress(f"loss {archetype} S={num_seqs} reference")
-    ref_step = _reference_step(batch, scales)
-    ops, syncs = _count_ops(ref_step)
-    t = time_ms(ref_step, device, warmup=1, repeat=p.reference_repeat)
-    rows.append(_row(archetype, batch, "reference", t, aten_ops=ops, syncs=syncs))
+    for s, batch in bins.items():
+        progress(f"loss {archetype} S={s} reference")
+        step = _reference_step(batch, scales[s])
+        ops, syncs = _count_ops(step)
+        t = time_ms(step, device, warmup=1, repeat=p.reference_repeat)
+        rows["reference", s] = _row(archetype, batch, "reference", t, aten_ops=ops, syncs=syncs)
 
-    progress(f"loss {archetype} S={num_seqs} eager")
-    eager_step = _native_step(native_step, batch, _tensor_scales(scales, device))
-    ops, syncs = _count_ops(eager_step)
-    t = time_ms(eager_step, device, warmup=p.warmup, repeat=p.repeat)
-    rows.append(_row(archetype, batch, "eager", t, aten_ops=ops, syncs=syncs))
+    progress(f"loss {archetype} eager")
+    eager = {s: _native_step(native_step, b, _tensor_scales(scales[s], device)) for s, b in bins.items()}
+    counts = {s: _count_ops(step) for s, step in eager.items()}
+    for s, t in _interleaved_ms(eager, device, p.warmup, p.repeat).items():
+        ops, syncs = counts[s]
+        rows["eager", s] = _row(archetype, bins[s], "eager", t, aten_ops=ops, syncs=syncs)
 
     if compiled is not None:
-        progress(f"loss {archetype} S={num_seqs} compiled")
-        compiled_step = _native_step(compiled.fn, batch, _tensor_scales(scales, device))
-        t0 = time.perf_counter()
-        compiled_step()
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        first = time.perf_counter() - t0
-        t = time_ms(compiled_step, device, warmup=p.warmup, repeat=p.repeat)
-        graphs = _graphs_compiled() - compiled.graphs_before
-        rows.append(_row(archetype, batch, "compiled", t, first_call_s=first, graphs=graphs))
+        steps = {s: _native_step(compiled.fn, b, _tensor_scales(scales[s], device)) for s, b in bins.items()}
+        first: dict[int, tuple[float, int]] = {}
+        for s, step in steps.items():
+            progress(f"loss {archetype} S={s} compiling")
+            first[s] = (_first_call_s(step, device), _graphs_compiled() - compiled.graphs_before)
+        progress(f"loss {archetype} compiled")
+        for s, t in _interleaved_ms(steps, device, p.warmup, p.repeat).items():
+            rows["compiled", s] = _row(archetype, bins[s], "compiled", t, first_call_s=first[s][0], graphs=first[s][1])
 
-    for row in rows:
-        row["speedup_vs_reference"] = rows[0]["time_ms"] / row["time_ms"]
-    return rows
+    for (_, s), row in rows.items():
+        row["speedup_vs_reference"] = rows["reference", s]["time_ms"] / row["time_ms"]
+    return sorted(rows.values(), key=lambda r: (r["num_seqs"], VARIANTS.index(r["variant"])))
 
 
 def summarise(rows: list[dict]) -> dict[str, dict[str, float]]:
@@ -226,8 +252,7 @@ def run(
         if archetype in p.compiled_archetypes:
             torch._dynamo.reset()  # each archetype's compile time starts from an empty dynamo cache
             compiled = _Compiled(torch.compile(native_step), _graphs_compiled())
-        for num_seqs in p.seq_counts:
-            rows.extend(_measure_bin(archetype, num_seqs, device, p, compiled, report))
+        rows.extend(_measure_archetype(archetype, device, p, compiled, report))
     return {
         "rows": rows,
         "summary": summarise(rows),
