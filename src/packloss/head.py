@@ -39,12 +39,13 @@ equal the single-process result; ``d_weight`` is the gradient of this rank's sha
 
 :func:`linear_distill` computes the distillation losses of :mod:`packloss.distill` (reverse KL,
 forward KL, JSD(β), soft cross-entropy) from the student head, against teacher logits or a teacher
-head. It is token-chunked: per chunk it builds the ``[C, V]`` student (and teacher) logits, calls the
-shared per-chunk core ``packloss.distill._chunk_core`` for the per-token loss and ``∂L/∂s``, and
-accumulates ``d_hidden = ∂L/∂s · W`` and ``d_weight += ∂L/∂sᵀ · h`` in the forward; the backward only
-scales them by the incoming gradient. Vocab-parallel, each chunk's shard logits are all-gathered
-into the full ``[C, V]`` row block (the KL needs whole rows; the shared core is reused unchanged),
-each rank keeps its columns of ``∂L/∂s`` for ``d_weight`` and ``d_hidden`` is all-reduced (``SUM``).
+head. It is token-chunked: per chunk it builds the ``[C, V]`` student (and teacher) logits, calls
+the shared per-chunk function of ``packloss.distill`` (``_CHUNK_FNS[kind]``) for the per-token loss
+and ``∂L/∂s``, and accumulates ``d_hidden = ∂L/∂s · W`` and ``d_weight += ∂L/∂sᵀ · h`` in the
+forward; the backward only scales them by the incoming gradient. Vocab-parallel, each chunk's shard
+logits are all-gathered into the full ``[C, V]`` row block (the KL needs whole rows; the shared
+math is reused unchanged), each rank keeps its columns of ``∂L/∂s`` for ``d_weight``, and
+``d_hidden`` is all-reduced (``SUM``).
 
 Compute dtype: float32 for any input dtype (float64 for float64 inputs, so ``gradcheck`` works);
 outputs are in the compute dtype, gradients in the dtype of their input.
@@ -58,12 +59,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from packloss.distill import _CHUNK_ELEMENTS, _chunk_core, _scale
+from packloss.distill import _CHUNK_FNS, _scale
 
 __all__ = ["linear_logprobs", "linear_distill"]
 
 DEFAULT_CHUNK_SIZE = 1024
 DEFAULT_VOCAB_CHUNK_SIZE = 8192
+DEFAULT_DISTILL_CHUNK_ELEMENTS = 2**22  # linear_distill: tokens per chunk = this // V
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,13 +171,16 @@ def _z_grad(dx: torch.Tensor, th: torch.Tensor | None, inv_t_c: torch.Tensor) ->
 
 
 def _block_stats(x: torch.Tensor, entropy: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``m = max x``, ``s = Σ exp(x − m)``, ``b = Σ exp(x − m)(x − m)`` per row (``b`` if entropy)."""
+    """``m = max x``, ``s = Σ exp(x − m)``, ``b = Σ exp(x − m)(x − m)`` per row (``b`` if entropy).
+
+    ``x`` is overwritten (with ``x − m``)."""
     m = x.amax(dim=1)  # [C]
-    d = x - m[:, None]  # [C, B]
+    d = x.sub_(m[:, None])  # [C, B]
+    if not entropy:
+        return m, d.exp_().sum(dim=1), None
     e = torch.exp(d)  # [C, B]
     s = e.sum(dim=1)  # [C]
-    b = e.mul_(d).sum(dim=1) if entropy else None  # [C]
-    return m, s, b
+    return m, s, e.mul_(d).sum(dim=1)
 
 
 def _merge_stats(
@@ -279,7 +284,7 @@ def _logprobs_backward(
     need_h: bool,
     need_w: bool,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``∂x = g_lp (1[v = y] − p) − g_ent p (x − logZ + entropy)``, chained to ``d_hidden`` and
+    """``∂x = g_lp (1[v = y] − p) − g_ent p (log p + entropy)``, ``log p = x − logZ``, chained to ``d_hidden`` and
     ``d_weight`` block by block (``g_lp`` already zero for ignored labels)."""
     cdt = inv_t.dtype
     d_h = torch.zeros(hidden.shape, dtype=cdt, device=hidden.device) if need_h else None  # [N, H]
@@ -290,16 +295,16 @@ def _logprobs_backward(
         lz = log_z[t0:t1, None]  # [C, 1]
         g = g_lp[t0:t1]  # [C]
         if g_ent is not None:
-            ge = g_ent[t0:t1, None]  # [C, 1]
-            offset = g[:, None] + ge * (entropy[t0:t1, None] - lz)  # [C, 1]
+            ge, ent_c = g_ent[t0:t1, None], entropy[t0:t1, None]  # [C, 1]
         for v0, v1 in _ranges(weight.shape[0], cfg.vocab_chunk_size):
             w_b = weight[v0:v1].to(cdt)  # [B, H]
             x, th = _block_logits(h_in, w_b, inv_t_c, cfg.softcap)  # [C, B]
-            p = torch.exp(x - lz)  # [C, B]
+            log_p = x.sub_(lz)  # [C, B]
             if g_ent is None:
-                dx = p.mul_(-g[:, None])  # [C, B]
+                dx = log_p.exp_().mul_(-g[:, None])  # [C, B]
             else:
-                dx = p.mul_(torch.addcmul(offset, ge, x)).neg_()  # [C, B]
+                p = torch.exp(log_p)  # [C, B]
+                dx = p.mul_(log_p.add_(ent_c).mul_(ge).add_(g[:, None])).neg_()  # [C, B]
             in_block, col = _label_index(labels[t0:t1], cfg.sharding.vocab_start + v0, v1 - v0)
             dx.scatter_add_(1, col, torch.where(in_block, g, 0.0)[:, None])
             dz = _z_grad(dx, th, inv_t_c)  # [C, B]
@@ -430,6 +435,20 @@ def _gather_vocab(block: torch.Tensor, group: object | None) -> torch.Tensor:
     return torch.cat(parts, dim=1)  # [C, V]
 
 
+def _chunk_loss(
+    s: torch.Tensor, t: torch.Tensor, mask_c: torch.Tensor | None, cfg: _DistillConfig
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss ``[C]`` and ``∂L/∂s`` ``[C, V]`` from the shared ``packloss.distill`` chunk
+    function; non-member rows give exact zeros (dropped with ``torch.where``, whatever they hold)."""
+    kw = {"beta": cfg.beta} if cfg.kind == "jsd" else {}
+    loss, grad = _CHUNK_FNS[cfg.kind](
+        s, t, student_temperature=cfg.student_temperature, teacher_temperature=cfg.teacher_temperature, **kw
+    )
+    if mask_c is None:
+        return loss, grad
+    return torch.where(mask_c, loss, 0.0), torch.where(mask_c[:, None], grad, 0.0)
+
+
 def _distill_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -452,12 +471,9 @@ def _distill_forward(
         h_c = hidden[t0:t1].to(cdt)  # [C, H]
         s = _gather_vocab(h_c @ w.T, cfg.group)  # [C, V]
         t = _gather_vocab(teacher_block(t0, t1), cfg.group)  # [C, V]
-        loss_c, grad = _chunk_core(
-            s, t, None if mask is None else mask[t0:t1], scale, cfg.kind,
-            cfg.student_temperature, cfg.teacher_temperature, "logits", cfg.beta, cdt,
-        )  # fmt: skip
-        loss = loss + loss_c
-        grad = grad[:, col0 : col0 + v_local]  # [C, V_local]
+        loss_c, grad = _chunk_loss(s, t, None if mask is None else mask[t0:t1], cfg)  # [C], [C, V]
+        loss = loss + loss_c.sum() * scale
+        grad = grad[:, col0 : col0 + v_local].mul_(scale)  # [C, V_local]
         if d_h is not None:
             d_h[t0:t1] = grad @ w
         if d_w is not None:
@@ -569,7 +585,7 @@ def linear_distill(
         _check_tokens("loss_mask", loss_mask, n, integer=False)
         loss_mask = loss_mask.to(torch.bool)
     v = v_local * (1 if group is None else dist.get_world_size(group))
-    rows = chunk_size if chunk_size is not None else max(1, _CHUNK_ELEMENTS // v)
+    rows = chunk_size if chunk_size is not None else max(1, DEFAULT_DISTILL_CHUNK_ELEMENTS // v)
     _check_chunk("chunk_size", rows)
     cfg = _DistillConfig(
         kind=kind,
