@@ -7,10 +7,10 @@ import dataclasses
 
 import pytest
 import torch
-from conftest import bin_of, poison_non_members
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import bin_of, poison_non_members
 from packloss import LossInputs, PackedBatch, PGParams, compute_loss, pg_loss
 from packloss.testing import OpCounter
 
@@ -106,7 +106,7 @@ def test_objective_matches_paper_reference(name, case):
     (grad,) = torch.autograd.grad(result.loss, trn)
 
     expected = trn.sum() * 0
-    for s, (start, end) in enumerate(zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())):
+    for start, end in zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist(), strict=True):
         sel = members[start:end]
         if not sel.any():
             continue
