@@ -70,7 +70,7 @@ def plan(quick: bool, use_compile: bool = True) -> Plan:
     only the hot path compiled). ``use_compile=False`` drops the compiled column."""
     if quick:
         return Plan(4096, (1, 16, 64), 2, 10, 2, ("hot",) if use_compile else ())
-    return Plan(32768, (1, 16, 64, 256), 3, 30, 3, ARCHETYPES if use_compile else ())
+    return Plan(32768, (1, 16, 64, 256), 3, 100, 5, ARCHETYPES if use_compile else ())
 
 
 def bin_for(archetype: str, num_tokens: int, num_seqs: int, device: str) -> PackedBatch:

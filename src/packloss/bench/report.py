@@ -150,11 +150,14 @@ def print_tables(results: dict[str, dict], out: TextIO = sys.stdout) -> None:
 @contextmanager
 def progress_display(out: TextIO = sys.stderr) -> Iterator[Any]:
     """A callable ``progress(description)``: a rich spinner, step count and elapsed time when rich
-    is installed, one line per step otherwise. ``progress.suite(name)`` starts a new suite's bar."""
+    is installed and ``out`` is a terminal, one timestamped line per step otherwise (a log file
+    then shows where the run is). ``progress.suite(name)`` starts a new suite's bar."""
     try:
         from rich.console import Console
         from rich.progress import BarColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
     except ImportError:
+        Console = None  # noqa: N806
+    if Console is None or not out.isatty():
         yield _PlainProgress(out)
         return
     columns = (SpinnerColumn(), TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed} steps"))
