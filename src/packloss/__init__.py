@@ -5,6 +5,7 @@ from packloss.ce import ce_loss
 from packloss.component import LossFn, LossInputs, LossOutputs
 from packloss.compute import LossResult, compute_loss
 from packloss.metrics import all_reduce_metrics, merge_metrics
+from packloss.normalize import NORMALIZE_MODES, StepDenominators, count_denominators
 from packloss.pg import DPPO, IPO, REF_KL, PGParams, pg_loss
 
 __all__ = [
@@ -22,6 +23,9 @@ __all__ = [
     "REF_KL",
     "merge_metrics",
     "all_reduce_metrics",
+    "NORMALIZE_MODES",
+    "StepDenominators",
+    "count_denominators",
 ]
 
 __version__ = "0.1.0"

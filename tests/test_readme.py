@@ -1,0 +1,18 @@
+"""The README's Python snippets run, in order, as one program."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def test_readme_snippets_run():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert len(blocks) >= 3
+    namespace: dict = {}
+    exec(compile("\n".join(blocks), str(README), "exec"), namespace)
+    grad = namespace["trainer"].grad
+    assert grad is not None and grad.abs().sum() > 0
+    assert set(namespace["metrics"]) >= {"is_masked", "masked_mismatch_kl"}
