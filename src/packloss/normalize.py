@@ -44,14 +44,14 @@ def _sequences_with_members(batch: PackedBatch, mask: Tensor) -> Tensor:
     return (segment_count(mask, batch.seq_ids, batch.num_seqs) > 0).sum(dtype=torch.float32)
 
 
-def local_denominator(batch: PackedBatch, mask: Tensor, mode: str) -> Tensor:
-    """This bin's own denominator for ``mode`` (clamped to 1), a tensor, no sync."""
+def local_denominator(batch: PackedBatch, mask: Tensor, mode: str) -> Tensor | float:
+    """This bin's own denominator for ``mode`` (clamped to 1): a tensor, or ``N`` for ``position``."""
     if mode == "constant":
         raise ValueError("normalize='constant' needs an explicit scale (the constant C)")
     if mode == "token":
         return mask.sum(dtype=torch.float32).clamp_min(1)
     if mode == "position":
-        return torch.tensor(float(batch.num_tokens), device=mask.device)
+        return float(batch.num_tokens)
     return _sequences_with_members(batch, mask).clamp_min(1)
 
 
