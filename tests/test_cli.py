@@ -170,6 +170,12 @@ def test_python_m_packloss_check_imports_from_the_current_directory():
     assert "FAIL" in proc.stdout and "num_seqs" in proc.stdout
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_bench_cuda_without_a_gpu_is_a_usage_error(tmp_path, capsys):
+    assert main(["bench", "loss", "--device", "cuda", "--out", str(tmp_path)]) == 2
+    assert "CUDA is not available" in capsys.readouterr().err
+
+
 def test_help_of_every_subcommand(capsys):
     for argv in (["--help"], ["bench", "--help"], ["check", "--help"]):
         with pytest.raises(SystemExit) as exc:

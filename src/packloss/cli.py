@@ -31,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="run the benchmark suites: tables, results.json and plots",
-        description="Time (and for distill/head, peak memory of) the loss paths against their references.",
+        description="Time the loss paths against their references (and, for distill/head, their peak memory).",
     )
     bench.add_argument("suite", nargs="?", default="all", choices=(*SUITES, "all"), help="suite to run (default all)")
     bench.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
