@@ -1,0 +1,97 @@
+"""packloss.demo: packed log-probs equal unpacked ones; a quick run learns; two gloo ranks equal one process.
+
+Cost: one quick single-process run and one quick two-process run (module-scoped fixtures shared by
+the asserts), about two minutes on 2 CPU cores.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from packloss import demo  # noqa: E402
+from packloss.packing import block_causal_mask  # noqa: E402
+
+# Held-out reward gain of the student (after RL minus before distillation) in `demo --quick`, seeds
+# 0-4 on 2 CPU cores (docs/demo.md): see MARGIN_SEEDS. The asserted margin sits far below the
+# smallest gain and far above zero (the spread of the untrained student's reward is ~0.01).
+MARGIN_SEEDS = {0: None, 1: None, 2: None, 3: None, 4: None}
+MARGIN = 0.0
+
+
+def _rollouts() -> list[demo.Rollout]:
+    out = []
+    for digits, completion in (("123", [7, 6, 5, 3]), ("98765432", [5, 6, 3]), ("4444", [8, 8, 8, 8, 8, 8])):
+        out.append(demo.Rollout(digits, demo.encode_prompt(digits), completion, [0.0] * len(completion), 0.0, False))
+    return out
+
+
+def test_packed_logprobs_equal_each_sequence_alone():
+    model = demo.build_model(demo.DEFAULT.student, seed=0)
+    rollouts = _rollouts()
+    packed = demo.make_bin(rollouts, [0.0] * len(rollouts), "cpu")
+    with torch.no_grad():
+        together = demo.packed_logprobs(model, packed)
+        alone = torch.cat([demo.packed_logprobs(model, demo.make_bin([r], [0.0], "cpu")) for r in rollouts])
+        # The explicit block-diagonal causal mask (packloss.packing) gives the same log-probs.
+        mask = block_causal_mask(packed.seq_lens)[None, None]
+        explicit = model(packed.input_ids, labels=packed.labels, position_ids=packed.positions, attention_mask=mask)
+    torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(explicit.logprobs[0], alone, rtol=1e-5, atol=1e-5)
+    # Without the position resets the sequences would see each other: the check can fail.
+    leaky = model(packed.input_ids, labels=packed.labels).logprobs[0].detach()
+    assert (leaky - alone).abs().max() > 1e-3
+
+
+def test_task_scoring_and_bin_layout():
+    assert demo.decode(demo.encode_prompt("305") + demo.encode_target("305")) == "^305:503$"
+    assert demo.score("305", demo.encode_target("305")) == (1.0, True)
+    assert demo.score("305", demo.encode_target("305")[:3]) == (0.75, False)  # no "$"
+    assert demo.score("305", demo.encode_target("355")) == (0.75, False)
+    rollouts = _rollouts()
+    b = demo.make_bin(rollouts, [1.0, -1.0, 0.5], "cpu")
+    assert b.seq_lens == (9, 13, 12)
+    assert int(b.answer.sum()) == sum(len(r.completion) for r in rollouts)
+    # Every answer position's label is the completion token it scores.
+    labels = b.labels[0][b.answer].tolist()
+    assert labels == [t for r in rollouts for t in r.completion]
+    assert b.positions[0].tolist()[:10] == [*range(9), 0]
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> tuple[dict, dict]:
+    out = tmp_path_factory.mktemp("quick")
+    assert demo.main(["--quick", "--seed", "0", "--out", str(out), "--progress", "none"]) == 0
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records and (out / "curves.png").stat().st_size > 0
+    return json.loads((out / "summary.json").read_text()), torch.load(out / "params.pt")
+
+
+@pytest.fixture(scope="module")
+def quick_two_ranks(tmp_path_factory) -> tuple[dict, dict]:
+    out = tmp_path_factory.mktemp("quick2")
+    assert demo.main(["--quick", "--seed", "0", "--nproc", "2", "--out", str(out), "--progress", "none"]) == 0
+    return json.loads((out / "summary.json").read_text()), torch.load(out / "params.pt")
+
+
+def test_quick_run_learns(quick):
+    summary, _ = quick
+    evals = summary["evals"]
+    assert evals["teacher_sft"]["reward"] > evals["teacher_init"]["reward"] + MARGIN
+    assert evals["student_rl"]["reward"] - evals["student_init"]["reward"] >= MARGIN
+    assert evals["student_distill"]["kl"] < evals["student_init"]["kl"]
+
+
+def test_two_ranks_equal_one_process(quick, quick_two_ranks):
+    summary, params = quick_two_ranks
+    assert summary["nproc"] == 2
+    empty = [n for p in summary["phases"].values() for n in p["empty_bins"].values()]
+    assert sum(empty) > 0, "no rank ran an empty bin: the equalisation path was not exercised"
+    _, reference = quick
+    for model in ("teacher", "student"):
+        for name, value in reference[model].items():
+            torch.testing.assert_close(params[model][name], value, rtol=0, atol=1e-5, msg=f"{model}.{name}")
