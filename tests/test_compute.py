@@ -218,3 +218,16 @@ def test_compute_loss_compiles_with_fullgraph():
     (grad_eager,) = torch.autograd.grad(eager, batch.trainer_logprobs)
     assert torch.allclose(loss, eager, rtol=1e-6)
     assert torch.allclose(grad, grad_eager, rtol=1e-5, atol=1e-8)
+
+
+def test_compiled_engine_does_not_recompile_per_packing():
+    """After dynamo's one automatic-dynamic recompile, new sequence counts reuse the graph."""
+    import torch._dynamo.utils as dynamo_utils
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda b: compute_loss(b).loss)
+    graphs = []
+    for num_seqs in (1, 16, 64, 256):
+        compiled(bin_of("hot", num_tokens=512, num_seqs=num_seqs)).backward()
+        graphs.append(dynamo_utils.counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[1], graphs

@@ -77,6 +77,7 @@ class PackedBatch:
     ref_kl_weights: Tensor | None = None
     cu_seqlens: Tensor = field(init=False, repr=False)
     seq_ids: Tensor = field(init=False, repr=False)
+    num_seqs: int = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.trainer_logprobs, Tensor):
@@ -87,14 +88,12 @@ class PackedBatch:
         cu_seqlens, seq_ids = layout_tensors(lens, self.trainer_logprobs.device)
         object.__setattr__(self, "cu_seqlens", cu_seqlens)
         object.__setattr__(self, "seq_ids", seq_ids)
+        # A plain int field (not len(seq_lens)) so torch.compile can treat it as dynamic.
+        object.__setattr__(self, "num_seqs", len(lens))
 
     @property
     def num_tokens(self) -> int:
         return self.trainer_logprobs.shape[0]
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.seq_lens)
 
     def component_masks(self) -> dict[str, Tensor]:
         """The member mask ``[N]`` of each active component: ``rl`` always (``loss_mask``, intersected
