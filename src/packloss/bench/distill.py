@@ -61,10 +61,21 @@ def _release_freed_memory(device: str) -> None:
 
 
 def _measure_variant(
-    variant: str, n: int, v: int, device: str, dtype: str, warmup: int, repeat: int, seed: int = 0
+    variant: str,
+    n: int,
+    v: int,
+    device: str,
+    dtype: str,
+    warmup: int,
+    repeat: int,
+    threads: int | None = None,
+    seed: int = 0,
 ) -> dict:
     """Build the inputs, compile (compiled variants), then measure one forward+backward's peak
-    memory and the median time of ``repeat`` more. Runs inside a fresh process."""
+    memory and the median time of ``repeat`` more. Runs inside a fresh process, with ``threads``
+    intra-op threads (the caller's setting, e.g. ``packloss bench --threads``)."""
+    if threads is not None:
+        torch.set_num_threads(threads)
     torch.manual_seed(seed)
     torch_dtype = getattr(torch, dtype)
     student = (2 * torch.randn(n, v, device=device, dtype=torch.float32)).to(torch_dtype).requires_grad_()
@@ -100,6 +111,7 @@ def _measure_variant(
         "peak_ratio_vs_inputs": (2 * logits_bytes + peak) / (3 * logits_bytes),
         "loss": loss_value,
         "repeat": repeat,
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -110,7 +122,7 @@ def _plan(device: str, quick: bool) -> tuple[list[tuple[int, int]], tuple[str, .
         return [(512, 8192)], ("naive_eager", "packloss_eager"), "float32", 1, 3
     if device.startswith("cuda"):
         return [(8192, 131072), (16384, 151936)], VARIANTS, "bfloat16", 3, 10
-    return [(2048, 32000), (4096, 65536)], VARIANTS, "float32", 1, 3
+    return [(2048, 32000), (4096, 65536)], VARIANTS, "float32", 1, 5
 
 
 def run(device: str, quick: bool, progress: Callable[[str], None] | None = None) -> dict:
@@ -122,7 +134,16 @@ def run(device: str, quick: bool, progress: Callable[[str], None] | None = None)
         for variant in variants:
             if progress is not None:
                 progress(f"distill {n}x{v} {variant}")
-            kwargs = dict(variant=variant, n=n, v=v, device=device, dtype=dtype, warmup=warmup, repeat=repeat)
+            kwargs = dict(
+                variant=variant,
+                n=n,
+                v=v,
+                device=device,
+                dtype=dtype,
+                warmup=warmup,
+                repeat=repeat,
+                threads=torch.get_num_threads(),
+            )
             shape_rows.append(run_fresh("packloss.bench.distill:_measure_variant", kwargs))
         naive = next(r for r in shape_rows if r["variant"] == "naive_eager")
         for row in shape_rows:
