@@ -80,6 +80,8 @@ def packings(draw):
 
 
 def draw_bin(lens, seed, empty, weighted):
+    """Float64 streams: the engine keeps float64 (it only promotes below float32), so both sides agree
+    to 1e-6 without float32 summation-order noise."""
     g = torch.Generator().manual_seed(seed)
     n = sum(lens)
     p_inf = torch.rand(n, generator=g) * 0.9 + 0.05
@@ -90,7 +92,9 @@ def draw_bin(lens, seed, empty, weighted):
     seq_ids = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
     mask &= ~torch.tensor(empty)[seq_ids]
     weights = (torch.rand(n, generator=g) * 2).where(torch.rand(n, generator=g) < 0.8, 0.0) if weighted else None
-    return trn.requires_grad_(), p_inf.log(), ref, adv, mask, weights
+    f64 = torch.float64
+    weights = None if weights is None else weights.to(f64)
+    return trn.to(f64).requires_grad_(), p_inf.log().to(f64), ref.to(f64), adv.to(f64), mask, weights
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
@@ -110,7 +114,7 @@ def test_objective_matches_paper_reference(name, case):
         sel = members[start:end]
         if not sel.any():
             continue
-        w = torch.ones(int(sel.sum())) if weights is None else weights[start:end][sel]
+        w = torch.ones(int(sel.sum()), dtype=torch.float64) if weights is None else weights[start:end][sel]
         piece = [t[start:end][sel] for t in (trn, inf, ref, adv)]
         expected = expected + paper_sequence_loss(*piece, w, params)
     (grad_ref,) = torch.autograd.grad(expected, trn)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from packloss.component import LossInputs, LossOutputs, make_outputs
+from packloss.component import LossInputs, LossOutputs, make_outputs, upcast
 
 __all__ = ["ce_loss"]
 
@@ -15,9 +15,9 @@ def ce_loss(inputs: LossInputs) -> LossOutputs:
     Metric ``nll``: unweighted mean of ``−trn`` over the members.
     """
     m = inputs.loss_mask  # [N]
-    trn = inputs.trainer_logprobs.to(torch.float32)  # [N]
+    trn = upcast(inputs.trainer_logprobs)  # [N]
     nll = -trn
     if inputs.loss_weights is not None:
-        nll = nll * inputs.loss_weights.to(torch.float32)
+        nll = nll * upcast(inputs.loss_weights)
     loss = torch.where(m, nll, 0.0).sum()
     return make_outputs(inputs, loss, {"nll": (-trn, m)})

@@ -17,7 +17,12 @@ from torch import Tensor
 
 from packloss.segments import segment_mean
 
-__all__ = ["LossInputs", "LossOutputs", "LossFn", "make_outputs"]
+__all__ = ["LossInputs", "LossOutputs", "LossFn", "make_outputs", "upcast"]
+
+
+def upcast(x: Tensor) -> Tensor:
+    """``x`` in the compute dtype: at least float32 (bf16/fp16 are promoted, float64 stays)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 @dataclass
@@ -55,7 +60,7 @@ class LossInputs:
         Returns scalars ``(Σ_{mask} values / max(count, 1), count)``, or ``([S], [S])`` per sequence
         when ``per_sequence_metrics`` is set. Values outside ``mask`` never enter (inf/NaN safe).
         """
-        values = values.detach().to(torch.float32)
+        values = upcast(values.detach())
         if self.per_sequence_metrics:
             return segment_mean(values, mask, self.seq_ids, self.num_seqs)
         count = mask.sum(dtype=torch.float32)

@@ -25,7 +25,7 @@ from torch import Tensor
 
 from packloss.batch import PackedBatch
 from packloss.ce import ce_loss
-from packloss.component import LossFn, LossInputs, LossOutputs
+from packloss.component import LossFn, LossInputs, LossOutputs, upcast
 from packloss.normalize import COMPONENTS, check_mode, local_denominator
 from packloss.pg import DPPO, REF_KL
 from packloss.segments import broadcast, segment_count
@@ -37,7 +37,7 @@ Scale = float | int | Tensor | None
 
 @dataclass(frozen=True)
 class LossResult:
-    """``loss``: scalar float32 to call ``backward()`` on. ``metrics[name]``: tensor (scalar, or ``[S]``
+    """``loss``: scalar (float32; float64 for float64 inputs) to call ``backward()`` on. ``metrics[name]``: tensor (scalar, or ``[S]``
     with per-sequence metrics); ``counts[name]``: the member count it was taken over (same shape), so
     micro-batches and ranks merge exactly (see :mod:`packloss.metrics`)."""
 
@@ -79,7 +79,7 @@ def _per_sequence_mean_weights(batch: PackedBatch, mask: Tensor, weights: Tensor
     """``w_t / n_{s(t)}``: the weights that turn a token sum into a sum of per-sequence means."""
     per_seq = segment_count(mask, batch.seq_ids, batch.num_seqs).clamp_min(1)  # [S]
     inv = 1.0 / broadcast(per_seq, batch.seq_ids)  # [N]
-    return inv if weights is None else weights.to(torch.float32) * inv
+    return inv if weights is None else upcast(weights) * inv
 
 
 def compute_loss(
@@ -151,7 +151,7 @@ def compute_loss(
         out = fn(inputs)
         if not isinstance(out, LossOutputs):
             raise TypeError(f"the {name} loss function must return LossOutputs, got {type(out).__name__}")
-        loss = out.loss.to(torch.float32)
+        loss = upcast(out.loss)
         if not loss.requires_grad and trn.requires_grad:
             loss = loss + _graph_anchor(trn)
         denom = scale if scale is not None else local_denominator(batch, mask, mode)

@@ -409,6 +409,7 @@ class Dist:
 @dataclass
 class StepStats:
     loss: float
+    kl: float  # sampled (ref_kl) or exact (full) per-token KL(student‖teacher) of the step; 0 otherwise
     metrics: dict[str, float]
     tokens: int
     bins: int
@@ -424,9 +425,16 @@ def train_step(
     advantages: Sequence[float],
     bin_tokens: int,
     teacher: nn.Module | None = None,
+    baseline: bool = True,
 ) -> StepStats:
     """One optimizer step over ``rollouts``: pack, deal bins to ranks, count the global denominators
-    with one all-reduce, forward/backward every micro-batch (DDP syncs on the last), clip, step."""
+    with one all-reduce, forward/backward every micro-batch (DDP syncs on the last), clip, step.
+
+    ``kind``: ``ce`` (SFT), ``ref_kl`` (sampled-token distillation), ``full`` (full-vocabulary reverse
+    KL) or ``rl``. With ``baseline`` the ``ref_kl`` advantage ``ref − trn`` is centred by the step's
+    mean ``ref − inf`` over every rank (added to the reference stream: a constant shift, so the
+    policy gradient keeps its expectation and loses most of its variance).
+    """
     bins = pack_ffd([len(r.tokens) for r in rollouts], bin_tokens)
     shards = shard_bins(len(bins), ctx.world)
     mine = [
@@ -438,14 +446,26 @@ def train_step(
     # The denominators depend on the masks only: count them before any forward.
     layouts = [_packed_batch(kind, b, torch.zeros(b.answer.shape, device=ctx.device), None) for b in mine]
     scales = count_denominators(layouts, all_reduce=ctx.world > 1, device=ctx.device).scales("token")
+    refs = _teacher_streams(kind, mine, teacher)
+    kl = torch.zeros((), device=ctx.device)
+    if kind == "ref_kl":
+        kl = _mean_sampled_kl(ctx, mine, refs)
+        if baseline:
+            refs = [ref + kl for ref in refs]
     ddp = isinstance(policy, nn.parallel.DistributedDataParallel)
     optimizer.zero_grad(set_to_none=True)
     results: list[LossResult] = []
     loss_sum = torch.zeros((), device=ctx.device)
-    for i, b in enumerate(mine):
+    for i, (b, ref) in enumerate(zip(mine, refs, strict=True)):
         sync = i == len(mine) - 1 or not ddp
         with contextlib.nullcontext() if sync else policy.no_sync():
-            loss = _micro_batch_loss(policy, kind, b, scales, teacher, results)
+            if kind == "full":
+                assert teacher is not None
+                loss = policy(b, ref, teacher.lm_head.weight, scales["ref_kl_scale"])
+            else:
+                result = compute_loss(_packed_batch(kind, b, policy(b), ref), DPPO, **scales)
+                results.append(result)
+                loss = result.loss
             # DDP averages gradients over ranks; the global denominators already make it a sum.
             (loss * ctx.world).backward()
         loss_sum = loss_sum + loss.detach()
@@ -456,33 +476,36 @@ def train_step(
         if metrics:
             metrics, counts = all_reduce_metrics(metrics, counts)
         dist.all_reduce(loss_sum)
-    values = torch.stack([loss_sum, *metrics.values()]).tolist()
+    if kind == "full":
+        kl = loss_sum
+    values = torch.stack([loss_sum, kl, *metrics.values()]).tolist()
     empty = [r for r, shard in enumerate(shards) if None in shard]
     tokens = sum(len(r.tokens) for r in rollouts)
-    return StepStats(values[0], dict(zip(metrics, values[1:], strict=True)), tokens, len(bins), empty)
+    return StepStats(values[0], values[1], dict(zip(metrics, values[2:], strict=True)), tokens, len(bins), empty)
 
 
-def _micro_batch_loss(
-    policy: nn.Module,
-    kind: str,
-    b: Bin,
-    scales: dict[str, Tensor],
-    teacher: nn.Module | None,
-    results: list[LossResult],
-) -> Tensor:
-    if kind == "full":
-        assert teacher is not None
-        with torch.no_grad():
-            t_hidden = teacher.model(input_ids=b.input_ids, position_ids=b.positions).last_hidden_state[0]
-        return policy(b, t_hidden, teacher.lm_head.weight, scales["ref_kl_scale"])
-    ref = None
-    if kind == "ref_kl":
-        assert teacher is not None
-        with torch.no_grad():
-            ref = packed_logprobs(teacher, b)
-    result = compute_loss(_packed_batch(kind, b, policy(b), ref), DPPO, **scales)
-    results.append(result)
-    return result.loss
+def _teacher_streams(kind: str, bins: Sequence[Bin], teacher: nn.Module | None) -> list[Tensor | None]:
+    """Per bin, what the teacher contributes: ``ref_kl`` its ``[N]`` log-probs of the bin's tokens,
+    ``full`` its ``[N, H]`` last hidden states (for the fused full-vocabulary KL), else None."""
+    if kind not in ("ref_kl", "full"):
+        return [None] * len(bins)
+    assert teacher is not None
+    with torch.no_grad():
+        if kind == "ref_kl":
+            return [packed_logprobs(teacher, b) for b in bins]
+        return [teacher.model(input_ids=b.input_ids, position_ids=b.positions).last_hidden_state[0] for b in bins]
+
+
+def _mean_sampled_kl(ctx: Dist, bins: Sequence[Bin], refs: Sequence[Tensor]) -> Tensor:
+    """The step's mean of ``inf − ref`` over the answer tokens of every bin and rank (a sampled
+    estimate of ``KL(student‖teacher)`` per token). One all-reduce of two numbers."""
+    totals = torch.zeros(2, device=ctx.device)
+    for b, ref in zip(bins, refs, strict=True):
+        diff = torch.where(b.answer, b.inference_logprobs - ref, 0.0)
+        totals = totals + torch.stack([diff.sum(), b.answer.sum(dtype=torch.float32)])
+    if ctx.world > 1:
+        dist.all_reduce(totals)
+    return totals[0] / totals[1].clamp_min(1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -492,17 +515,17 @@ def _micro_batch_loss(
 
 @dataclass(frozen=True)
 class DemoConfig:
-    teacher: ModelSize = ModelSize(hidden=64, layers=2, heads=4, intermediate=192)
-    student: ModelSize = ModelSize(hidden=32, layers=2, heads=4, intermediate=96)
+    teacher: ModelSize = ModelSize(hidden=96, layers=2, heads=4, intermediate=256)
+    student: ModelSize = ModelSize(hidden=64, layers=2, heads=4, intermediate=128)
     min_digits: int = 3
     max_digits: int = 8
     eval_prompts: int = 256
-    eval_every: int = 25
-    bin_tokens: int = 256
+    eval_every: int = 50
+    bin_tokens: int = 512
     sft_steps: int = 300
     sft_batch: int = 64
     sft_lr: float = 3e-3
-    distill_steps: int = 150
+    distill_steps: int = 400
     distill_batch: int = 64
     distill_lr: float = 3e-3
     rl_steps: int = 60
@@ -715,7 +738,7 @@ def _phases(
         eval_ref = ref if kind != "ce" else None
         for step in range(1, steps + 1):
             rollouts, advantages = batch_fn(model, rng, gen)
-            stats = train_step(ctx, policy, optimizer, kind, rollouts, advantages, cfg.bin_tokens, ref)
+            stats = train_step(ctx, policy, optimizer, kind, rollouts, advantages, cfg.bin_tokens, ref, args.baseline)
             tokens += stats.tokens
             for r in stats.empty_bins:
                 empty[r] += 1
@@ -723,10 +746,8 @@ def _phases(
                 print(f"[rank {ctx.rank}] {name} step {step}: empty bin ({stats.bins} bins for {ctx.world} ranks)")
             reward = sum(r.reward for r in rollouts) / len(rollouts)
             live = {"loss": stats.loss, "reward": reward}
-            if kind == "ref_kl":
-                live["kl"] = -stats.metrics["ref_kl/ref_kl"]
-            elif kind == "full":
-                live["kl"] = stats.loss
+            if kind in ("ref_kl", "full"):
+                live["kl"] = stats.kl
             rec.log({"kind": "train", "phase": name, "step": step, **live, "tokens": stats.tokens,
                      "bins": stats.bins, "empty_bin_ranks": stats.empty_bins, "metrics": stats.metrics})  # fmt: skip
             if step % cfg.eval_every == 0 and step != steps:
@@ -859,6 +880,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--distill", choices=("sampled", "full"), default="sampled",
                         help="sampled-token ref_kl (on-policy distillation) or full-vocabulary reverse KL")  # fmt: skip
+    parser.add_argument("--no-baseline", dest="baseline", action="store_false",
+                        help="sampled distillation without the mean baseline (raw advantage ref − trn)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--progress", choices=("auto", "rich", "tqdm", "plain", "none"), default="auto")
     parser.add_argument("--sft-steps", type=int, default=None)

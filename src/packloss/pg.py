@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from packloss.component import LossInputs, LossOutputs, make_outputs
+from packloss.component import LossInputs, LossOutputs, make_outputs, upcast
 from packloss.segments import broadcast, segment_mean
 
 __all__ = ["PGParams", "pg_loss", "DPPO", "IPO", "REF_KL", "TRUST_REGIONS", "KL_ESTIMATORS"]
@@ -138,7 +138,7 @@ REF_KL = PGParams(advantage="ref_kl", trust_region="one_sided", kl_tau=1e-3, met
 def _ref(inputs: LossInputs, why: str) -> Tensor:
     if inputs.ref_logprobs is None:
         raise ValueError(f"{why} needs ref_logprobs, got None")
-    return inputs.ref_logprobs.detach().to(torch.float32)
+    return upcast(inputs.ref_logprobs.detach())
 
 
 def _advantage(inputs: LossInputs, params: PGParams, trn: Tensor, m: Tensor) -> Tensor:
@@ -147,7 +147,7 @@ def _advantage(inputs: LossInputs, params: PGParams, trn: Tensor, m: Tensor) -> 
         return torch.where(m, _ref(inputs, "advantage='ref_kl'") - trn.detach(), 0.0)
     if inputs.advantages is None:
         raise ValueError("advantage='shipped' needs the advantages stream, got None")
-    return torch.where(m, inputs.advantages.detach().to(torch.float32), 0.0)
+    return torch.where(m, upcast(inputs.advantages.detach()), 0.0)
 
 
 def kl_estimate(kind: str, x: Tensor) -> Tensor:
@@ -221,8 +221,8 @@ def _gspo_ratio(inputs: LossInputs, trn: Tensor, log_r: Tensor, m: Tensor) -> tu
 def pg_loss(inputs: LossInputs, params: PGParams) -> LossOutputs:
     """The skeleton's summed loss over the members of ``inputs.loss_mask`` and its metrics.
 
-    Shapes: every stream ``[N]``; returns a scalar loss (float32) and metrics (scalars, or ``[S]``
-    with ``per_sequence_metrics``), unweighted means over the members: ``masked_mismatch_kl`` (dropped
+    Shapes: every stream ``[N]``; returns a scalar loss (at least float32, see ``upcast``) and metrics
+    (scalars, or ``[S]`` with ``per_sequence_metrics``), unweighted means over the members: ``masked_mismatch_kl`` (dropped
     members), ``unmasked_mismatch_kl`` (kept), ``is_masked`` (members whose policy gradient is zeroed);
     DPPO adds ``is_masked_high``/``_low``, ``masked_advantage_positive``/``_negative``; IcePop
     ``is_masked_low``/``_high``; the clipped objectives ``clip_frac_low``/``_high`` (and
@@ -231,8 +231,8 @@ def pg_loss(inputs: LossInputs, params: PGParams) -> LossOutputs:
     All names carry ``params.metric_prefix``. ``mismatch_kl = r − log_r − 1``.
     """
     m = inputs.loss_mask  # [N] bool
-    trn = inputs.trainer_logprobs.to(torch.float32)  # [N]
-    inf = inputs.inference_logprobs.detach().to(torch.float32)  # [N]
+    trn = upcast(inputs.trainer_logprobs)  # [N]
+    inf = upcast(inputs.inference_logprobs.detach())  # [N]
     log_r = torch.where(m, trn - inf, 0.0)  # [N]
     r = torch.exp(log_r)  # [N]
     adv = _advantage(inputs, params, trn, m)  # [N]
@@ -267,7 +267,7 @@ def pg_loss(inputs: LossInputs, params: PGParams) -> LossOutputs:
     if params.tis_cap is not None:
         per_token = per_token * r.detach().clamp_max(params.tis_cap)
     if inputs.loss_weights is not None:
-        per_token = per_token * torch.where(m, inputs.loss_weights.to(torch.float32), 0.0)
+        per_token = per_token * torch.where(m, upcast(inputs.loss_weights), 0.0)
     loss = per_token.sum()
 
     is_masked = regions["is_masked"]
