@@ -37,9 +37,10 @@ Scale = float | int | Tensor | None
 
 @dataclass(frozen=True)
 class LossResult:
-    """``loss``: scalar (float32; float64 for float64 inputs) to call ``backward()`` on. ``metrics[name]``: tensor (scalar, or ``[S]``
-    with per-sequence metrics); ``counts[name]``: the member count it was taken over (same shape), so
-    micro-batches and ranks merge exactly (see :mod:`packloss.metrics`)."""
+    """``loss``: scalar (float32; float64 for float64 inputs) to call ``backward()`` on.
+    ``metrics[name]``: tensor (scalar, or ``[S]`` with per-sequence metrics); ``counts[name]``: the
+    member count it was taken over (same shape), so micro-batches and ranks merge exactly (see
+    :mod:`packloss.metrics`)."""
 
     loss: Tensor
     metrics: dict[str, Tensor]

@@ -222,13 +222,17 @@ def pg_loss(inputs: LossInputs, params: PGParams) -> LossOutputs:
     """The skeleton's summed loss over the members of ``inputs.loss_mask`` and its metrics.
 
     Shapes: every stream ``[N]``; returns a scalar loss (at least float32, see ``upcast``) and metrics
-    (scalars, or ``[S]`` with ``per_sequence_metrics``), unweighted means over the members: ``masked_mismatch_kl`` (dropped
-    members), ``unmasked_mismatch_kl`` (kept), ``is_masked`` (members whose policy gradient is zeroed);
-    DPPO adds ``is_masked_high``/``_low``, ``masked_advantage_positive``/``_negative``; IcePop
-    ``is_masked_low``/``_high``; the clipped objectives ``clip_frac_low``/``_high`` (and
-    ``dual_clip_frac``); GSPO ``seq_ratio_mean``/``_min``/``_max`` over sequences with members;
-    advantage ``ref_kl`` adds ``ref_kl`` (mean ``ref − trn``); ``ref_kl_coef`` adds ``ref_kl_penalty``.
-    All names carry ``params.metric_prefix``. ``mismatch_kl = r − log_r − 1``.
+    (scalars, or ``[S]`` with ``per_sequence_metrics``), unweighted means over the members:
+
+    * ``masked_mismatch_kl`` / ``unmasked_mismatch_kl``: ``r − log_r − 1`` over dropped / kept members;
+    * ``is_masked``: members whose policy gradient is zeroed;
+    * DPPO: ``is_masked_high``/``_low``, ``masked_advantage_positive``/``_negative`` (over dropped);
+    * IcePop: ``is_masked_low``/``_high``;
+    * PPO clip, CISPO, GSPO: ``clip_frac_low``/``_high`` (and ``dual_clip_frac``);
+    * GSPO: ``seq_ratio_mean``/``_min``/``_max`` over sequences with members;
+    * advantage ``ref_kl``: ``ref_kl`` (mean ``ref − trn``); ``ref_kl_coef``: ``ref_kl_penalty``.
+
+    All names carry ``params.metric_prefix``.
     """
     m = inputs.loss_mask  # [N] bool
     trn = upcast(inputs.trainer_logprobs)  # [N]
