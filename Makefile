@@ -4,7 +4,7 @@ TORCH ?= torch==2.13.0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test bench lint
+.PHONY: setup test demo bench lint
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -18,8 +18,11 @@ test: setup
 	$(PY) -m ruff check src tests
 	$(PY) -m pytest -q
 
+demo: setup
+	$(VENV)/bin/packloss demo --out demo-out
+
 bench: setup
-	$(VENV)/bin/packloss bench all --out bench-out
+	$(VENV)/bin/packloss bench all --threads 1 --out bench-out
 
 lint: setup
 	$(PY) -m ruff check src tests

@@ -4,6 +4,8 @@
   benchmark suites (DESIGN.md §7), prints a table per suite, writes ``results.json`` and PNG plots.
 * ``packloss check MODULE:FUNCTION [--kwargs JSON]`` tells whether a custom rl loss function is
   additive over the sequences of a packed bin (exit 0 PASS, 1 FAIL, 2 cannot check).
+* ``packloss demo [--quick] [--nproc N] [--out DIR] ...`` runs the end-to-end demo (SFT, on-policy
+  distillation and RL of tiny models on packed bins; needs the ``hf`` extra), see :mod:`packloss.demo`.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ SUITES = ("loss", "distill", "head")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser: subcommands ``bench`` and ``check``, each with ``--help``."""
+    """The argument parser: subcommands ``bench``, ``check`` and ``demo``, each with ``--help``."""
     parser = argparse.ArgumentParser(
         prog="packloss", description="Sync-free loss functions for LLM post-training on packed micro-batches."
     )
@@ -50,6 +52,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument("target", metavar="MODULE:FUNCTION", help="the loss function, importable from here")
     check.add_argument("--kwargs", default=None, metavar="JSON", help="keyword arguments as a JSON object")
+
+    from packloss import demo
+
+    demo.add_arguments(
+        sub.add_parser(
+            "demo",
+            help="end-to-end demo: SFT, on-policy distillation and RL of tiny models on packed bins",
+            description=demo.__doc__.split("\n\n")[0],
+        )
+    )
     return parser
 
 
@@ -108,6 +120,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
         return _bench(args)
+    if args.command == "demo":
+        from packloss import demo
+
+        return demo.run(args)
     from packloss.check import run as run_check
 
     return run_check(args.target, args.kwargs)
