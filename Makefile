@@ -8,7 +8,6 @@ PY := $(VENV)/bin/python
 
 $(PY):
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
 
 setup: $(PY)
 	$(PY) -m pip install -q "$(TORCH)"
