@@ -255,8 +255,9 @@ def _chunk_core(
 
     ``s``, ``t``: ``[c, V]`` slices of the caller's tensors (never modified); ``mask``: ``[c]`` bool
     or None (all members); ``scale``: 0-d tensor ``1 / denominator`` in the compute dtype. With
-    ``out`` (``[c, V]``, ``s.dtype``) the gradient is written there (eager: no extra buffer) and
-    None is returned in its place; without, it is returned (compiled: no mutated inputs).
+    ``out`` (``[c, V]``, ``s.dtype``, e.g. a slice of the ``[N, V]`` gradient) the gradient is
+    written there and None is returned in its place (under ``torch.compile`` the write is part of
+    the last fused kernel); without, it is returned.
     """
     kw = dict(
         student_temperature=student_temperature,
@@ -334,12 +335,8 @@ class _DistillFunction(torch.autograd.Function):
                 spec.teacher_format,
                 spec.beta,
             )
-            if spec.impl == "compiled":
-                loss_c, grad_c = _compiled_core()(*args)
-                if grad is not None:
-                    grad[start:stop].copy_(grad_c)
-            else:
-                loss_c, _ = _chunk_core(*args, out=None if grad is None else grad[start:stop])
+            core = _compiled_core() if spec.impl == "compiled" else _chunk_core
+            loss_c, _ = core(*args, out=None if grad is None else grad[start:stop])
             total = total + loss_c
         if grad is not None:
             ctx.save_for_backward(grad)
