@@ -67,9 +67,18 @@ def _release_freed_memory(device: str) -> None:
 
 
 def _measure_variant(
-    variant: str, n: int, h: int, v: int, device: str, repeat: int, chunk_size: int, vocab_chunk_size: int
+    variant: str,
+    n: int,
+    h: int,
+    v: int,
+    device: str,
+    repeat: int,
+    chunk_size: int,
+    vocab_chunk_size: int,
+    threads: int,
 ) -> dict:
-    """One variant in this (fresh) process: ``{"time_ms", "peak_bytes"}``."""
+    """One variant in this (fresh) process, on ``threads`` intra-op threads: ``{"time_ms", "peak_bytes"}``."""
+    torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     hidden = (torch.randn(n, h, generator=g) * 0.5).to(device).requires_grad_()
     weight = (torch.randn(v, h, generator=g) * 0.05).to(device).requires_grad_()
@@ -91,7 +100,8 @@ def _measure_variant(
 
 
 def run(device: str, quick: bool, progress: Callable[[str], None] | None = None) -> dict:
-    """Every variant at every shape of ``SHAPES[(device type, quick)]``, each in a fresh process."""
+    """Every variant at every shape of ``SHAPES[(device type, quick)]``, each in a fresh process with
+    this process's number of torch threads."""
     kind = "cuda" if device.startswith("cuda") else "cpu"
     rows = []
     for n, h, v, repeat, chunk_size, vocab_chunk_size in SHAPES[(kind, quick)]:
@@ -102,7 +112,7 @@ def run(device: str, quick: bool, progress: Callable[[str], None] | None = None)
                 progress(f"head {shape} {variant}")
             kwargs = dict(
                 variant=variant, n=n, h=h, v=v, device=device, repeat=repeat,
-                chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size,
+                chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, threads=torch.get_num_threads(),
             )  # fmt: skip
             by_variant[variant] = {"shape": shape, "variant": variant, **run_fresh(
                 "packloss.bench.head:_measure_variant", kwargs)}  # fmt: skip
@@ -112,4 +122,4 @@ def run(device: str, quick: bool, progress: Callable[[str], None] | None = None)
         for row in by_variant.values():
             row.update(chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
         rows.extend(by_variant.values())
-    return {"rows": rows, "device": device, "torch": torch.__version__}
+    return {"rows": rows, "device": device, "torch": torch.__version__, "threads": torch.get_num_threads()}
