@@ -440,7 +440,7 @@ _COMMON_DOC = """
             compiled runs 1.23-1.29x faster once compiled, but its first call per loss
             configuration (kind, temperatures, teacher format and β are compile-time constants)
             compiles for tens of seconds on a small CPU, which outweighs that gain in the CPU uses
-            of this library (tests, small runs). On CUDA, fusing the ~12 elementwise passes per
+            of this library (tests, small runs). On CUDA (not yet measured), fusing the ~12 passes per
             block into a few kernels saves memory bandwidth, which is what bounds this loss there.
 
     Returns:
