@@ -7,14 +7,17 @@ the asserts), about two minutes on 2 CPU cores.
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
 pytest.importorskip("transformers")
 
 from packloss import demo  # noqa: E402
 from packloss.packing import block_causal_mask  # noqa: E402
+from packloss.testing import run_gloo  # noqa: E402
 
 # Held-out reward gain of the student (after RL minus before distillation) in `demo --quick`, seeds
 # 0-4 on 2 CPU cores (docs/demo.md): see MARGIN_SEEDS. The asserted margin sits far below the
@@ -86,12 +89,60 @@ def test_quick_run_learns(quick):
     assert evals["student_distill"]["kl"] < evals["student_init"]["kl"]
 
 
-def test_two_ranks_equal_one_process(quick, quick_two_ranks):
-    summary, params = quick_two_ranks
+def _one_step_of_each_phase(rank: int, world: int) -> dict[str, tuple[dict, list[int]]]:
+    """One SGD step of every phase kind on fixed data, as rank ``rank`` of ``world`` (DDP when > 1)."""
+    ctx = demo.Dist(rank, world, torch.device("cpu"))
+    sampler = demo.build_model(demo.QUICK.student, seed=2)
+    prompts = demo.Task.make(3, 8, 4, seed=0).sample(random.Random(0), 13)
+    gen = torch.Generator().manual_seed(0)
+    rollouts = demo.generate(sampler, prompts, 10, generator=gen)
+    targets = [demo.target_rollout(d) for d in prompts]
+    advantages = torch.randn(len(prompts), generator=gen).tolist()
+    out = {}
+    for kind in ("ce", "ref_kl", "full", "rl"):
+        teacher = demo.build_model(demo.QUICK.teacher, seed=1)
+        model = teacher if kind == "ce" else demo.build_model(demo.QUICK.student, seed=2)
+        policy = demo.Policy(model)
+        policy = DistributedDataParallel(policy) if world > 1 else policy
+        optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+        data = targets if kind == "ce" else rollouts
+        stats = demo.train_step(ctx, policy, optimizer, kind, data, advantages, 64, teacher.requires_grad_(False))
+        out[kind] = ({k: v.detach().clone() for k, v in model.state_dict().items()}, stats.empty_bins)
+    return out
+
+
+def test_two_ranks_equal_one_process_per_step():
+    """Every phase's step over 2 gloo ranks (DDP, all-reduced denominators, empty bins) equals one
+    process within 1e-6: a plain SGD step, so the parameters differ by the gradients' rounding only."""
+    single = _one_step_of_each_phase(0, 1)
+    ranks = run_gloo(_one_step_of_each_phase, world_size=2, timeout=300)
+    initial = {
+        "teacher": demo.build_model(demo.QUICK.teacher, seed=1),
+        "student": demo.build_model(demo.QUICK.student, seed=2),
+    }
+    assert any(ranks[0][kind][1] for kind in single), "no rank ran an empty bin"
+    for kind, (params, _) in single.items():
+        start = initial["teacher" if kind == "ce" else "student"].state_dict()
+        moved = max((params[k] - start[k]).abs().max() for k in params)
+        assert moved > 1e-3, kind
+        for rank in ranks:
+            for name, value in params.items():
+                torch.testing.assert_close(rank[kind][0][name], value, rtol=0, atol=1e-6, msg=f"{kind} {name}")
+
+
+def test_two_process_quick_run(quick, quick_two_ranks):
+    """``--quick --nproc 2`` finishes, runs empty bins, and trains like one process on the same data.
+
+    Over a whole run the parameters do not stay within 1e-5 of the one-process run: Adam turns
+    rounding-level gradient differences of near-zero entries into lr-sized steps, and sampling and
+    training feed back on each other, so the runs drift apart (measured: 1e-6 after one teacher
+    step, 1e-4 after ten, 0.14 at the end of the student's run). The per-step equality is
+    test_two_ranks_equal_one_process_per_step; here the two runs' outcomes must agree.
+    """
+    summary, _ = quick_two_ranks
     assert summary["nproc"] == 2
     empty = [n for p in summary["phases"].values() for n in p["empty_bins"].values()]
     assert sum(empty) > 0, "no rank ran an empty bin: the equalisation path was not exercised"
-    _, reference = quick
-    for model in ("teacher", "student"):
-        for name, value in reference[model].items():
-            torch.testing.assert_close(params[model][name], value, rtol=0, atol=1e-5, msg=f"{model}.{name}")
+    reference, _ = quick
+    for name, e in summary["evals"].items():
+        assert abs(e["reward"] - reference["evals"][name]["reward"]) < 0.1, name
