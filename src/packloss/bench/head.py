@@ -29,7 +29,7 @@ VARIANTS = ("materialised_eager", "materialised_compiled", "fused")
 
 # (N, H, V, timed repeats, token chunk, vocab chunk) per device and mode.
 SHAPES = {
-    ("cpu", True): [(1024, 256, 8192, 3, 256, 2048)],
+    ("cpu", True): [(512, 128, 4096, 3, 128, 1024)],
     ("cpu", False): [(8192, 1024, 65536, 2, 1024, 8192)],
     ("cuda", True): [(4096, 2048, 32768, 5, 4096, 16384)],
     ("cuda", False): [(16384, 4096, 152064, 5, 4096, 16384)],
