@@ -7,6 +7,8 @@ allocations never hide another's: on CPU the peak resident set (``VmHWM``, reset
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import statistics
@@ -17,7 +19,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["time_ms", "reset_peak", "peak_bytes", "run_fresh"]
+__all__ = ["time_ms", "reset_peak", "peak_bytes", "run_fresh", "release_freed_memory"]
 
 
 def _sync(device: str) -> None:
@@ -53,6 +55,15 @@ def _vm_kib(field: str) -> int:
             if line.startswith(field + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def release_freed_memory(device: str) -> None:
+    """Return freed heap pages to the OS so the next peak baseline holds only live tensors."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    else:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def reset_peak(device: str) -> int:

@@ -17,14 +17,12 @@ forward+backward over the inputs already in memory: CPU peak RSS delta, CUDA
 
 from __future__ import annotations
 
-import ctypes
-import gc
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from packloss.bench._measure import peak_bytes, reset_peak, run_fresh, time_ms
+from packloss.bench._measure import peak_bytes, release_freed_memory, reset_peak, run_fresh, time_ms
 from packloss.distill import reverse_kl
 
 __all__ = ["run", "VARIANTS"]
@@ -49,15 +47,6 @@ def _loss_fn(variant: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor
         impl = variant.removeprefix("packloss_")
         return lambda s, t, m: reverse_kl(s, t, m, impl=impl)
     raise ValueError(f"unknown variant {variant!r}")
-
-
-def _release_freed_memory(device: str) -> None:
-    """Return freed heap pages to the OS so the next peak-RSS baseline holds only live tensors."""
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    else:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def _measure_variant(
@@ -92,7 +81,7 @@ def _measure_variant(
     if variant.endswith("compiled"):
         step()  # compile outside the measured region
         student.grad = None
-    _release_freed_memory(device)
+    release_freed_memory(device)
     baseline = reset_peak(device)
     loss = step()
     peak = peak_bytes(device) - baseline

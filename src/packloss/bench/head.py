@@ -14,13 +14,11 @@ minus the baseline with the inputs allocated: CPU peak RSS, CUDA ``max_memory_al
 
 from __future__ import annotations
 
-import ctypes
-import gc
 from collections.abc import Callable
 
 import torch
 
-from packloss.bench._measure import peak_bytes, reset_peak, run_fresh, time_ms
+from packloss.bench._measure import peak_bytes, release_freed_memory, reset_peak, run_fresh, time_ms
 from packloss.head import linear_logprobs
 
 __all__ = ["run"]
@@ -57,15 +55,6 @@ def _step_fn(variant: str, chunk_size: int, vocab_chunk_size: int) -> Callable:
     raise ValueError(f"unknown variant {variant!r}")
 
 
-def _release_freed_memory(device: str) -> None:
-    """Return freed heap pages to the OS so the RSS peak of the measured run starts from the inputs."""
-    gc.collect()
-    if device.startswith("cuda"):
-        torch.cuda.empty_cache()
-    else:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 def _measure_variant(
     variant: str,
     n: int,
@@ -92,7 +81,7 @@ def _measure_variant(
 
     if variant == "materialised_compiled":
         step()  # compilation, outside the measured peak
-        _release_freed_memory(device)
+        release_freed_memory(device)
     base = reset_peak(device)
     step()
     peak = peak_bytes(device) - base
