@@ -618,7 +618,8 @@ def _cell(text: str, width: int, left: bool) -> str:
 
 def _align(rows: list[tuple[str, ...]]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(_cell(c, w, i == 0) for i, (c, w) in enumerate(zip(r, widths, strict=True))) for r in rows]
+    cells = [[_cell(c, w, i == 0) for i, (c, w) in enumerate(zip(r, widths, strict=True))] for r in rows]
+    lines = ["  ".join(r).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -641,7 +642,8 @@ def plot_curves(records: list[dict], path: Path) -> bool:
         evals = [r for r in records if r["phase"] == phase and r["kind"] == "eval"]
         c = colors[phase]
         xs = [offset + r["step"] for r in train]
-        axes[0].plot(xs, [r["reward"] for r in train], color=c, alpha=0.35, lw=1)
+        if any("reward" in r for r in train):
+            axes[0].plot(xs, [r["reward"] for r in train], color=c, alpha=0.35, lw=1)
         axes[0].plot([offset + r["step"] for r in evals], [r["reward"] for r in evals], "o-", color=c, label=phase)
         if any("kl" in r for r in train):
             axes[1].plot(xs, [r["kl"] for r in train], color=c, alpha=0.35, lw=1)
@@ -653,7 +655,7 @@ def plot_curves(records: list[dict], path: Path) -> bool:
             ax.axvline(offset, color="grey", lw=0.5, ls=":")
     axes[0].set(title="held-out reward (dots) / train reward (line)", xlabel="step", ylim=(0, 1.02))
     axes[1].set(title="KL(student‖teacher): held-out (dots) / sampled (line)", xlabel="step", yscale="log")
-    axes[2].set(title="loss", xlabel="step")
+    axes[2].set(title="loss (sampled distillation's is centred: ≈ 0)", xlabel="step")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(loc="best", fontsize="small")
@@ -746,9 +748,11 @@ def _phases(
             for r in stats.empty_bins:
                 empty[r] += 1
             if ctx.rank in stats.empty_bins and empty[ctx.rank] == 1:
-                print(f"[rank {ctx.rank}] {name} step {step}: empty bin ({stats.bins} bins for {ctx.world} ranks)")
-            reward = sum(r.reward for r in rollouts) / len(rollouts)
-            live = {"loss": stats.loss, "reward": reward}
+                note = f"empty bin ({stats.bins} bins for {ctx.world} ranks)"
+                print(f"[rank {ctx.rank}] {name} step {step}: {note}", flush=True)
+            live = {"loss": stats.loss}
+            if kind != "ce":  # SFT trains on the answers themselves: their reward is 1
+                live["reward"] = sum(r.reward for r in rollouts) / len(rollouts)
             if kind in ("ref_kl", "full"):
                 live["kl"] = stats.kl
             rec.log({"kind": "train", "phase": name, "step": step, **live, "tokens": stats.tokens,
@@ -792,6 +796,7 @@ def _phases(
     phase(distill, "full" if args.distill == "full" else "ref_kl", student, cfg.distill_steps, cfg.distill_lr,
           distill_batch, teacher)  # fmt: skip
     checkpoint("student_distill", distill, cfg.distill_steps, student, teacher)
+    rec.log({"kind": "eval", "phase": "rl", "step": 0, **evals.get("student_distill", {})})
     phase("rl", "rl", student, cfg.rl_steps, cfg.rl_lr, rl_batch, teacher)
     checkpoint("student_rl", "rl", cfg.rl_steps, student, teacher)
     return evals, phases, teacher, student
