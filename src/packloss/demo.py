@@ -8,14 +8,15 @@ Phases (every loss is :func:`packloss.compute_loss` over packed bins with global
 
 a. **teacher SFT** — the ``ce`` component on the answer tokens;
 b. **student on-policy distillation** — the student samples, the teacher scores the sampled tokens,
-   the ``ref_kl`` component (advantage ``ref − trn``) trains the student; or, with
+   the ``ref_kl`` component (advantage ``ref − trn``, centred by the step's mean sampled KL: see
+   :func:`train_step`) trains the student; or, with
    ``--distill full``, the exact full-vocabulary reverse KL on the same samples through the fused
    head (:func:`packloss.head.linear_distill`);
 c. **student RL** — ``G`` samples per prompt, reward, group-normalised advantages
    (:func:`packloss.advantages.group_advantages`), the ``rl`` component with DPPO and the
    sampling pass's log-probs as inference log-probs.
 
-Sequences are packed into bins of ``--bin-tokens`` tokens (:func:`packloss.packing.pack_ffd`);
+Sequences are packed into bins of a token budget (``DemoConfig.bin_tokens``, :func:`packloss.packing.pack_ffd`);
 positions restart at 0 for every sequence, which the Hugging Face Llama turns into a
 block-diagonal causal mask (no token attends across sequences). With ``--nproc N`` the step's bins
 are dealt to ``N`` DDP ranks (gloo on CPU, NCCL on CUDA) and padded with empty bins so every rank runs
@@ -900,11 +901,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit code."""
     args.progress = _progress_kind(args.progress)
+    if args.nproc < 1 or args.threads < 1:
+        print("--nproc and --threads must be at least 1", file=sys.stderr)
+        return 2
     if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
         print(f"--device cuda needs {args.nproc} GPU(s), found {torch.cuda.device_count()}", file=sys.stderr)
         return 2
     if args.nproc == 1:
-        _worker(0, 1, args, 0)
+        threads = torch.get_num_threads()
+        try:
+            _worker(0, 1, args, 0)
+        finally:
+            torch.set_num_threads(threads)  # the caller's setting, when called in-process
         return 0
     import torch.multiprocessing as mp
 
