@@ -177,8 +177,9 @@ def test_bench_cuda_without_a_gpu_is_a_usage_error(tmp_path, capsys):
 
 
 def test_help_of_every_subcommand(capsys):
-    for argv in (["--help"], ["bench", "--help"], ["check", "--help"]):
+    for argv in (["--help"], ["bench", "--help"], ["check", "--help"], ["demo", "--help"]):
         with pytest.raises(SystemExit) as exc:
             main(argv)
         assert exc.value.code == 0
-    assert "MODULE:FUNCTION" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "MODULE:FUNCTION" in out and "--nproc" in out
