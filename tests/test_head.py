@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -289,20 +290,72 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+class _Run(NamedTuple):
+    """One vocab-parallel case: ``case`` is ``"logprobs"`` or a distillation kind."""
+
+    case: str
+    v: int
+    uneven: bool
+    beta: float = 0.5
+    teacher: str = "head"
+
+
+_PARALLEL_RUNS = [
+    _Run("logprobs", 30, False),
+    _Run("logprobs", 31, True),
+    _Run("reverse_kl", 30, True, teacher="head"),
+    _Run("forward_kl", 31, False, teacher="logits"),
+    _Run("jsd", 30, False, beta=0.3, teacher="head"),
+    _Run("jsd", 31, True, beta=0.3, teacher="logits"),
+    _Run("jsd", 30, False, beta=0.0, teacher="logits"),
+    _Run("jsd", 31, True, beta=1.0, teacher="head"),
+    _Run("soft_cross_entropy", 30, True, teacher="logits"),
+]
+_N, _H, _DISTILL_CHUNK = 23, 12, 6
+
+
 def _parallel_inputs(v: int):
-    """Detached ``hidden [23, 12]``, ``weight [V, 12]``, labels, temperatures, teacher head ``[·, 10]``."""
-    hidden, weight, labels, temps = _inputs(23, 12, v, seed=11)
-    teacher_h, teacher_w, _, _ = _inputs(23, 10, v, seed=12)
+    """Detached ``hidden [N, H]``, ``weight [V, H]``, labels, temperatures, teacher head ``[·, 10]``."""
+    hidden, weight, labels, temps = _inputs(_N, _H, v, seed=11)
+    teacher_h, teacher_w, _, _ = _inputs(_N, 10, v, seed=12)
     return hidden.detach(), weight.detach(), labels, temps, teacher_h.detach(), teacher_w.detach()
 
 
-def _run_case(case: str, v: int, start: int, stop: int, group) -> list[torch.Tensor]:
-    """Outputs, ``d_hidden`` and ``d_weight`` of one case computed with the vocabulary rows
+def _distill_outputs(run: _Run, hidden, w, teacher_h, teacher_w, mask, start, stop, group):
+    """``(loss,)`` of a distillation run on the vocabulary rows ``[start, stop)``; the teacher tensors
+    require grad, and the loss must not reach them."""
+    teacher_h, teacher_w = teacher_h.requires_grad_(), teacher_w.requires_grad_()
+    if run.teacher == "logits":
+        teacher_logits = (teacher_h.detach() @ teacher_w.detach().T).requires_grad_()  # [N, V]
+        source, teacher_leaves = {"teacher_logits": teacher_logits[:, start:stop]}, [teacher_logits]
+    else:
+        source = {"teacher_hidden": teacher_h, "teacher_weight": teacher_w[start:stop]}
+        teacher_leaves = [teacher_h, teacher_w]
+    loss = linear_distill(
+        hidden,
+        w,
+        **source,
+        loss_mask=mask,
+        kind=run.case,
+        beta=run.beta,
+        student_temperature=1.2,
+        teacher_temperature=0.8,
+        chunk_size=_DISTILL_CHUNK,
+        group=group,
+    )
+    assert torch.autograd.grad(loss, teacher_leaves, retain_graph=True, allow_unused=True) == (None,) * len(
+        teacher_leaves
+    ), "the teacher received a gradient"
+    return (loss,)
+
+
+def _run_case(run: _Run, start: int, stop: int, group) -> list[torch.Tensor]:
+    """Outputs, ``d_hidden`` and ``d_weight`` of one run computed with the vocabulary rows
     ``[start, stop)`` (all of them and ``group=None`` for the single-process result)."""
-    hidden, weight, labels, temps, teacher_h, teacher_w = _parallel_inputs(v)
+    hidden, weight, labels, temps, teacher_h, teacher_w = _parallel_inputs(run.v)
     hidden.requires_grad_()
     w = weight[start:stop].clone().requires_grad_()
-    if case == "logprobs":
+    if run.case == "logprobs":
         outs = linear_logprobs(
             hidden,
             w,
@@ -316,20 +369,7 @@ def _run_case(case: str, v: int, start: int, stop: int, group) -> list[torch.Ten
             vocab_start=None if group is None else start,
         )
     else:
-        outs = (
-            linear_distill(
-                hidden,
-                w,
-                teacher_hidden=teacher_h,
-                teacher_weight=teacher_w[start:stop],
-                loss_mask=labels != IGNORE,
-                kind="jsd",
-                beta=0.4,
-                student_temperature=1.2,
-                chunk_size=6,
-                group=group,
-            ),
-        )
+        outs = _distill_outputs(run, hidden, w, teacher_h, teacher_w, labels != IGNORE, start, stop, group)
     g = torch.Generator().manual_seed(4)
     loss = sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs)
     d_h, d_w = torch.autograd.grad(loss, [hidden, w])
@@ -341,17 +381,78 @@ def _shards(v: int, uneven: bool) -> list[tuple[int, int]]:
     return [(0, cut), (cut, v)]
 
 
-_PARALLEL_RUNS = [("logprobs", 30, False), ("logprobs", 31, True), ("distill", 30, False)]
+_FORBIDDEN_COLLECTIVES = (
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "gather",
+    "scatter",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+)
+
+
+class _Collectives:
+    """Inside the ``with`` block: ``torch.distributed.all_reduce`` calls are recorded as
+    ``(op, shape)`` in ``calls``; any other collective or point-to-point call raises."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[int, ...]]] = []
+        self._saved: dict[str, object] = {}
+
+    def __enter__(self) -> _Collectives:
+        all_reduce = dist.all_reduce
+
+        def recording_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+            self.calls.append(("max" if op == dist.ReduceOp.MAX else "sum", tuple(tensor.shape)))
+            return all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+        def forbidden(name: str):
+            def call(*args, **kwargs):
+                raise AssertionError(f"vocab-parallel linear_distill must not call dist.{name}")
+
+            return call
+
+        patches = {"all_reduce": recording_all_reduce, **{n: forbidden(n) for n in _FORBIDDEN_COLLECTIVES}}
+        for name, fn in patches.items():
+            self._saved[name] = getattr(dist, name)
+            setattr(dist, name, fn)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+
+
+def _expected_distill_collectives(run: _Run) -> list[tuple[str, tuple[int, ...]]]:
+    """Per token chunk of height C: MAX and SUM of the ``[2, C]`` log-normalisers, SUM of the
+    ``[k, C]`` partial sums (k = 2 for JSD strictly inside (0, 1)); then SUM of ``d_hidden [N, H]``."""
+    k = 2 if run.case == "jsd" and 0.0 < run.beta < 1.0 else 1
+    calls = []
+    for t0 in range(0, _N, _DISTILL_CHUNK):
+        c = min(_DISTILL_CHUNK, _N - t0)
+        calls += [("max", (2, c)), ("sum", (2, c)), ("sum", (k, c))]
+    return calls + [("sum", (_N, _H))]
 
 
 def _worker(rank: int, port: int, path: str) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
     try:
-        results = {}
-        for case, v, uneven in _PARALLEL_RUNS:
-            start, stop = _shards(v, uneven)[rank]
-            results[(case, v)] = _run_case(case, v, start, stop, dist.group.WORLD)
-        torch.save(results, f"{path}/rank{rank}.pt")
+        results, collectives = [], []  # aligned with _PARALLEL_RUNS
+        for run in _PARALLEL_RUNS:
+            start, stop = _shards(run.v, run.uneven)[rank]
+            with _Collectives() as comm:
+                results.append(_run_case(run, start, stop, dist.group.WORLD))
+            collectives.append(comm.calls)
+        torch.save({"results": results, "collectives": collectives}, f"{path}/rank{rank}.pt")
     finally:
         dist.destroy_process_group()
 
@@ -369,9 +470,11 @@ def test_vocab_parallel_matches_single_process(tmp_path):
             p.kill()
     assert [p.exitcode for p in procs] == [0] * WORLD, "a vocab-parallel worker failed or hung"
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
-    for case, v, uneven in _PARALLEL_RUNS:
-        want = _run_case(case, v, 0, v, None)
-        for rank, (start, stop) in enumerate(_shards(v, uneven)):
-            got = ranks[rank][(case, v)]
+    for i, run in enumerate(_PARALLEL_RUNS):
+        want = _run_case(run, 0, run.v, None)
+        for rank, (start, stop) in enumerate(_shards(run.v, run.uneven)):
+            got = ranks[rank]["results"][i]
             _assert_close(got[:-1], want[:-1], 1e-5)  # values and d_hidden: the full result on every rank
             _assert_close([got[-1]], [want[-1][start:stop]], 1e-5)  # d_weight: this rank's rows
+            if run.case != "logprobs":  # per-token scalars only: nothing of size C × V is communicated
+                assert ranks[rank]["collectives"][i] == _expected_distill_collectives(run), run

@@ -22,19 +22,22 @@ zero gradient and contribute exactly 0 to the loss; their logits may hold anythi
 every operation is row-wise, and the masked rows are dropped with ``torch.where``. There is no host
 synchronisation: denominators stay tensors, masking is ``torch.where``.
 
-Reusable per-chunk core (imported by the fused LM head, ``packloss.head``). Pure functions of one
-``[c, V]`` block (any float dtype, never modified) with stable signatures::
+Reusable per-chunk core (imported by the fused LM head, ``packloss.head``), three stages over one
+``[c, V]`` block (any float dtype, never modified), computed in float32 (float64 stays float64):
 
-    _chunk_reverse_kl(s, t, *, student_temperature=1.0, teacher_temperature=1.0, teacher_format="logits")
-    _chunk_forward_kl(s, t, *, student_temperature=1.0, teacher_temperature=1.0, teacher_format="logits")
-    _chunk_soft_cross_entropy(s, t, *, student_temperature=1.0, teacher_temperature=1.0,
-                              teacher_format="logits")
-    _chunk_jsd(s, t, *, beta, student_temperature=1.0, teacher_temperature=1.0, teacher_format="logits")
-        -> (loss_per_token [c], grad_wrt_s [c, V]), both in the compute dtype (float32, or float64)
+1. ``_log_probs``: ``log q`` and ``log p`` normalised over the whole vocabulary;
+2. ``_<kind>_sums``: the per-token partial sums over the block (``[k, c]``: ``[KL(q‖p)]``,
+   ``[KL(p‖q)]``, ``[−Σ p log q]`` or ``[KL(p‖m), KL(q‖m)]``) and the block state the gradient needs;
+3. ``_reverse_kl_grad``, ``_q_minus_p_grad`` (forward KL, soft cross-entropy) or ``_jsd_grad``: the
+   per-token loss ``[c]`` and ``∂L/∂s`` ``[c, V]`` from the summed scalars.
 
-``_CHUNK_FNS`` maps the loss names to them. ``_chunk_core`` adds masking, ``1 / denominator``
-scaling and the cast to the logits' dtype; it is the one core that the eager path runs and the
-compiled path compiles.
+``_chunk_divergence(kind, s, t, *, beta, student_temperature, teacher_temperature, teacher_format,
+group=None)`` runs them. Without a group the block holds the whole vocabulary: stage 1 is one fused
+``log_softmax`` and the sums are complete. With a ``torch.distributed`` group the block is this
+rank's vocabulary shard: stage 1 all-reduces the per-token log-sum-exp (one MAX and one SUM of
+``[2, c]``), stage 2 its ``[k, c]`` sums (SUM), and stage 3 is local to the shard. ``_chunk_core``
+adds masking, ``1 / denominator`` scaling and the cast to the logits' dtype; it is the one core that
+the eager path runs and the compiled path compiles (always without a group).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+import torch.distributed as dist
 
 __all__ = ["reverse_kl", "forward_kl", "jsd", "soft_cross_entropy"]
 
@@ -70,13 +74,29 @@ _DEFAULT_IMPL: dict[str, Impl] = {"cpu": "eager", "cuda": "compiled"}
 
 
 # ---------------------------------------------------------------------------------------------------
-# Per-chunk pure math: [c, V] blocks in, (loss [c], gradient [c, V]) out, in the compute dtype.
+# Per-chunk pure math in three stages over one [c, V] block of the vocabulary (all of it, or with a
+# process group this rank's shard), in the compute dtype:
+#   1. log-probabilities normalised over the whole vocabulary (``_log_probs``);
+#   2. per-token partial sums over the block, plus the block state the gradient needs (``*_sums``);
+#   3. from the summed per-token scalars, the loss [c] and the gradient block [c, V] (``*_grad``).
+# Single-process the block is the whole vocabulary and the sums are complete; vocab-parallel, stages
+# 1 and 2 each end in per-token all-reduces, and stage 3 is local.
 # ---------------------------------------------------------------------------------------------------
+
+_State = tuple[torch.Tensor, torch.Tensor]  # two [c, V] buffers kept from stage 2 for stage 3
+_SumsFn = Callable[[torch.Tensor, torch.Tensor, float, TeacherFormat], tuple[torch.Tensor, _State]]
+_GradFn = Callable[[_State, torch.Tensor, float, float], tuple[torch.Tensor, torch.Tensor]]
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """float32 for fp32 / bf16 / fp16, float64 for float64."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _scaled(x: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``x / T`` in the compute dtype; ``x`` itself (not copied, never modified) when that is a no-op."""
+    x = x.to(_compute_dtype(x.dtype))  # [c, V]
+    return x if temperature == 1.0 else x / temperature
 
 
 def _log_softmax(x: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -87,155 +107,195 @@ def _log_softmax(x: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.log_softmax(x, dim=-1, dtype=dtype)  # [c, V]
 
 
-def _teacher_log_probs(t: torch.Tensor, temperature: float, teacher_format: TeacherFormat) -> torch.Tensor:
-    """``log p = log_softmax(u / T_t)`` with ``u = t`` for logits and log-probabilities (re-normalising
-    is exact up to rounding) and ``u = log t`` for probabilities (a zero gives ``log p = −inf``)."""
+def _teacher_logits(t: torch.Tensor, teacher_format: TeacherFormat) -> torch.Tensor:
+    """``u`` with ``p = softmax(u / T_t)``: ``t`` itself for logits and log-probabilities (re-normalising
+    is exact up to rounding), ``log t`` for probabilities (a zero gives ``log p = −inf``)."""
     if teacher_format == "probs":
-        t = t.to(_compute_dtype(t.dtype)).log()  # [c, V]
-    elif teacher_format not in ("logits", "logprobs"):
+        return t.to(_compute_dtype(t.dtype)).log()  # [c, V]
+    if teacher_format not in ("logits", "logprobs"):
         raise ValueError(f"teacher_format must be 'logits', 'logprobs' or 'probs', got {teacher_format!r}")
-    return _log_softmax(t, temperature)  # [c, V]
+    return t
 
 
-def _chunk_reverse_kl(
+def _sharded_log_softmax(a: torch.Tensor, b: torch.Tensor, group: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a − logZ_a, b − logZ_b)`` for two ``[c, V_local]`` blocks whose rows are split over the
+    vocabulary shards of ``group``. With this rank's ``ℓ_r = logsumexp_v x`` (per row), one MAX
+    all-reduce gives ``M = max_r ℓ_r`` and one SUM all-reduce ``logZ = M + log Σ_r exp(ℓ_r − M)``,
+    both of one ``[2, c]`` tensor (an all ``−inf`` shard contributes ``exp(−inf) = 0``)."""
+    lse = torch.stack([torch.logsumexp(a, dim=-1), torch.logsumexp(b, dim=-1)])  # [2, c]
+    top = lse.clone()  # [2, c]
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    total = lse.sub_(top).exp_()  # [2, c]
+    dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+    log_z = total.log_().add_(top)  # [2, c]
+    return a - log_z[0, :, None], b - log_z[1, :, None]  # [c, V_local] each
+
+
+def _log_probs(
     s: torch.Tensor,
     t: torch.Tensor,
-    *,
-    student_temperature: float = 1.0,
-    teacher_temperature: float = 1.0,
-    teacher_format: TeacherFormat = "logits",
+    student_temperature: float,
+    teacher_temperature: float,
+    teacher_format: TeacherFormat,
+    group: object | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reverse KL of one block: ``L = Σ_v q (log q − log p)``.
+    """Stage 1: ``log q = log_softmax(s / T_s)`` and ``log p = log_softmax(u / T_t)``
+    (:func:`_teacher_logits`), ``[c, V]`` fresh buffers of the compute dtype that stage 2 may
+    overwrite. Whole vocabulary: one fused ``log_softmax`` each; vocab shard: the log-normalisers
+    over ``group`` (:func:`_sharded_log_softmax`)."""
+    u = _teacher_logits(t, teacher_format)  # [c, V]
+    if group is None:
+        return _log_softmax(s, student_temperature), _log_softmax(u, teacher_temperature)
+    return _sharded_log_softmax(_scaled(s, student_temperature), _scaled(u, teacher_temperature), group)
 
-    Gradient, with ``a = s / T_s``, ``∂ log q_i / ∂a_j = δ_ij − q_j`` and ``∂q_i/∂a_j = q_i (δ_ij − q_j)``:
+
+def _reverse_kl_sums(
+    log_q: torch.Tensor, log_p: torch.Tensor, beta: float, teacher_format: TeacherFormat
+) -> tuple[torch.Tensor, _State]:
+    """Reverse KL ``L = Σ_v q (log q − log p)``: sums ``[L]`` (``[1, c]``), state ``(q, log q − log p)``.
+    A teacher with exact zero probabilities where ``q > 0`` gives ``L = +inf`` (the true value)."""
+    diff = log_p.neg_().add_(log_q)  # [c, V], log q − log p
+    q = log_q.exp_()  # [c, V]
+    return (q * diff).sum(-1)[None], (q, diff)
+
+
+def _reverse_kl_grad(
+    state: _State, sums: torch.Tensor, beta: float, student_temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reverse-KL loss ``[c]`` and gradient ``[c, V]``. With ``a = s / T_s``,
+    ``∂ log q_i / ∂a_j = δ_ij − q_j`` and ``∂q_i/∂a_j = q_i (δ_ij − q_j)``:
     ``∂L/∂a_j = q_j (log q_j − log p_j) − q_j L + Σ_i q_i (δ_ij − q_j) = q_j (log q_j − log p_j − L)``,
     so::
 
         ∂L/∂s_j = q_j (log q_j − log p_j − L) / T_s
-
-    ``s``, ``t``: ``[c, V]``. Returns ``(L [c], ∂L/∂s [c, V])``. A teacher with exact zero
-    probabilities where ``q > 0`` gives ``L = +inf`` (the true value).
     """
-    log_q = _log_softmax(s, student_temperature)  # [c, V]
-    diff = log_q - _teacher_log_probs(t, teacher_temperature, teacher_format)  # [c, V], log q − log p
-    q = log_q.exp_()  # [c, V]
-    loss = (q * diff).sum(-1)  # [c]
+    q, diff = state
+    loss = sums[0]  # [c]
     grad = diff.sub_(loss.unsqueeze(-1)).mul_(q)  # [c, V]
     if student_temperature != 1.0:
         grad.div_(student_temperature)
     return loss, grad
 
 
-def _chunk_forward_kl(
-    s: torch.Tensor,
-    t: torch.Tensor,
-    *,
-    student_temperature: float = 1.0,
-    teacher_temperature: float = 1.0,
-    teacher_format: TeacherFormat = "logits",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Forward KL of one block: ``L = Σ_v p (log p − log q)`` (terms with ``p = 0`` are 0).
-
-    Gradient (``L = Σ p log p − Σ p log q``, ``∂(−Σ_i p_i log q_i)/∂a_j = −p_j + q_j Σ_i p_i``,
-    ``Σ p = 1``)::
-
-        ∂L/∂s_j = (q_j − p_j) / T_s
-
-    ``s``, ``t``: ``[c, V]``. Returns ``(L [c], ∂L/∂s [c, V])``.
-    """
-    log_q = _log_softmax(s, student_temperature)  # [c, V]
-    log_p = _teacher_log_probs(t, teacher_temperature, teacher_format)  # [c, V]
+def _forward_kl_sums(
+    log_q: torch.Tensor, log_p: torch.Tensor, beta: float, teacher_format: TeacherFormat
+) -> tuple[torch.Tensor, _State]:
+    """Forward KL ``L = Σ_v p (log p − log q)`` (terms with ``p = 0`` are 0): sums ``[L]``, state
+    ``(log q, p)``."""
     p = log_p.exp()  # [c, V]
-    term = p * log_p.sub_(log_q)  # [c, V], p (log p − log q)
+    term = log_p.sub_(log_q).mul_(p)  # [c, V], p (log p − log q)
     if teacher_format == "probs":  # log p = −inf where p = 0: 0 · (−inf) must count 0
         term = torch.where(p > 0, term, 0.0)
-    grad = log_q.exp_().sub_(p)  # [c, V], q − p
-    if student_temperature != 1.0:
-        grad.div_(student_temperature)
-    return term.sum(-1), grad
+    return term.sum(-1)[None], (log_q, p)
 
 
-def _chunk_soft_cross_entropy(
-    s: torch.Tensor,
-    t: torch.Tensor,
-    *,
-    student_temperature: float = 1.0,
-    teacher_temperature: float = 1.0,
-    teacher_format: TeacherFormat = "logits",
+def _soft_cross_entropy_sums(
+    log_q: torch.Tensor, log_p: torch.Tensor, beta: float, teacher_format: TeacherFormat
+) -> tuple[torch.Tensor, _State]:
+    """Soft cross-entropy ``L = −Σ_v p log q`` (= forward KL + H(p)): sums ``[L]``, state ``(log q, p)``."""
+    p = log_p.exp_()  # [c, V]
+    return (p * log_q).sum(-1).neg_()[None], (log_q, p)
+
+
+def _q_minus_p_grad(
+    state: _State, sums: torch.Tensor, beta: float, student_temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Soft cross-entropy of one block: ``L = −Σ_v p log q`` (= forward KL + H(p)).
-
-    Gradient (``∂L/∂a_j = −p_j + q_j Σ_i p_i`` and ``Σ p = 1``)::
+    """Forward-KL and soft-cross-entropy loss ``[c]`` and gradient ``[c, V]``. Both are
+    ``−Σ_i p_i log q_i`` up to a constant in ``s``; ``∂(−Σ_i p_i log q_i)/∂a_j = −p_j + q_j Σ_i p_i``
+    and ``Σ p = 1``, so::
 
         ∂L/∂s_j = (q_j − p_j) / T_s
-
-    ``s``, ``t``: ``[c, V]``. Returns ``(L [c], ∂L/∂s [c, V])``.
     """
-    log_q = _log_softmax(s, student_temperature)  # [c, V]
-    p = _teacher_log_probs(t, teacher_temperature, teacher_format).exp_()  # [c, V]
-    loss = -(p * log_q).sum(-1)  # [c]
+    log_q, p = state
     grad = log_q.exp_().sub_(p)  # [c, V], q − p
     if student_temperature != 1.0:
         grad.div_(student_temperature)
-    return loss, grad
+    return sums[0], grad
 
 
-def _chunk_jsd(
-    s: torch.Tensor,
-    t: torch.Tensor,
-    *,
-    beta: float,
-    student_temperature: float = 1.0,
-    teacher_temperature: float = 1.0,
-    teacher_format: TeacherFormat = "logits",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Generalised Jensen–Shannon divergence of one block (GKD, Agarwal et al. 2024; TRL)::
+def _jsd_sums(
+    log_q: torch.Tensor, log_p: torch.Tensor, beta: float, teacher_format: TeacherFormat
+) -> tuple[torch.Tensor, _State]:
+    """Generalised Jensen–Shannon divergence, ``0 < β < 1`` (GKD, Agarwal et al. 2024; TRL)::
 
-        m = β p + (1 − β) q,   L = β KL(p‖m) + (1 − β) KL(q‖m)        (0 < β < 1)
+        m = β p + (1 − β) q,   L = β KL(p‖m) + (1 − β) KL(q‖m)
 
-    ``β = 0`` is forward KL and ``β = 1`` reverse KL (the limits of ``L/β`` and ``L/(1 − β)``).
-
-    Gradient. Treating ``q`` as free, ``∂L/∂q_i = (1 − β)(log q_i − log m_i)``: the ``∂ log m``
-    terms sum to ``−(β p_i + (1 − β) q_i)(1 − β)/m_i = −(1 − β)`` and cancel the ``+(1 − β)`` from
-    ``∂(q log q)``. Through the softmax (``∂q_i/∂a_j = q_i (δ_ij − q_j)``)::
-
-        ∂L/∂s_j = (1 − β) q_j (log q_j − log m_j − KL(q‖m)) / T_s
-
-    i.e. the reverse-KL gradient against ``m``, scaled by ``1 − β``.
-    ``s``, ``t``: ``[c, V]``. Returns ``(L [c], ∂L/∂s [c, V])``.
-    """
-    kw = dict(
-        student_temperature=student_temperature,
-        teacher_temperature=teacher_temperature,
-        teacher_format=teacher_format,
-    )
-    if beta == 0.0:
-        return _chunk_forward_kl(s, t, **kw)
-    if beta == 1.0:
-        return _chunk_reverse_kl(s, t, **kw)
-    if not 0.0 < beta < 1.0:
-        raise ValueError(f"beta must be in [0, 1], got {beta}")
-    log_q = _log_softmax(s, student_temperature)  # [c, V]
-    log_p = _teacher_log_probs(t, teacher_temperature, teacher_format)  # [c, V]
+    ``log m`` is elementwise, so the sums are ``[KL(p‖m), KL(q‖m)]`` (``[2, c]``) and the state
+    ``(q, log q − log m)``."""
     log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))  # [c, V]
     p = log_p.exp()  # [c, V]
-    term_p = p * log_p.sub_(log_m)  # [c, V], p (log p − log m)
+    term_p = log_p.sub_(log_m).mul_(p)  # [c, V], p (log p − log m)
     if teacher_format == "probs":  # 0 · (−inf) must count 0
         term_p = torch.where(p > 0, term_p, 0.0)
     diff = log_m.neg_().add_(log_q)  # [c, V], log q − log m
     q = log_q.exp_()  # [c, V]
-    kl_q = (q * diff).sum(-1)  # [c], KL(q‖m)
-    loss = beta * term_p.sum(-1) + (1.0 - beta) * kl_q  # [c]
+    return torch.stack([term_p.sum(-1), (q * diff).sum(-1)]), (q, diff)
+
+
+def _jsd_grad(
+    state: _State, sums: torch.Tensor, beta: float, student_temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """JSD loss ``β KL(p‖m) + (1 − β) KL(q‖m)`` ``[c]`` and gradient ``[c, V]``. Treating ``q`` as
+    free, ``∂L/∂q_i = (1 − β)(log q_i − log m_i)``: the ``∂ log m`` terms sum to
+    ``−(β p_i + (1 − β) q_i)(1 − β)/m_i = −(1 − β)`` and cancel the ``+(1 − β)`` from
+    ``∂(q log q)``. Through the softmax (``∂q_i/∂a_j = q_i (δ_ij − q_j)``)::
+
+        ∂L/∂s_j = (1 − β) q_j (log q_j − log m_j − KL(q‖m)) / T_s
+
+    i.e. the reverse-KL gradient against ``m``, scaled by ``1 − β``."""
+    q, diff = state
+    kl_q = sums[1]  # [c], KL(q‖m)
+    loss = beta * sums[0] + (1.0 - beta) * kl_q  # [c]
     grad = diff.sub_(kl_q.unsqueeze(-1)).mul_(q).mul_((1.0 - beta) / student_temperature)  # [c, V]
     return loss, grad
 
 
-_CHUNK_FNS: dict[str, Callable[..., tuple[torch.Tensor, torch.Tensor]]] = {
-    "reverse_kl": _chunk_reverse_kl,
-    "forward_kl": _chunk_forward_kl,
-    "soft_cross_entropy": _chunk_soft_cross_entropy,
-    "jsd": _chunk_jsd,
+_STAGES: dict[str, tuple[_SumsFn, _GradFn]] = {
+    "reverse_kl": (_reverse_kl_sums, _reverse_kl_grad),
+    "forward_kl": (_forward_kl_sums, _q_minus_p_grad),
+    "soft_cross_entropy": (_soft_cross_entropy_sums, _q_minus_p_grad),
+    "jsd": (_jsd_sums, _jsd_grad),
 }
+
+
+def _stages(kind: str, beta: float) -> tuple[_SumsFn, _GradFn]:
+    """Stages 2 and 3 of ``kind``; JSD at ``β = 0`` is forward KL and at ``β = 1`` reverse KL (the
+    limits of ``L/β`` and ``L/(1 − β)``)."""
+    if kind == "jsd":
+        if beta == 0.0:
+            return _STAGES["forward_kl"]
+        if beta == 1.0:
+            return _STAGES["reverse_kl"]
+        if not 0.0 < beta < 1.0:
+            raise ValueError(f"beta must be in [0, 1], got {beta}")
+    return _STAGES[kind]
+
+
+def _chunk_divergence(
+    kind: str,
+    s: torch.Tensor,
+    t: torch.Tensor,
+    *,
+    beta: float = 0.5,
+    student_temperature: float = 1.0,
+    teacher_temperature: float = 1.0,
+    teacher_format: TeacherFormat = "logits",
+    group: object | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss ``[c]`` and ``∂L/∂s`` ``[c, V]`` of one block, in the compute dtype.
+
+    ``s``, ``t``: ``[c, V]`` student / teacher blocks (never modified). With ``group`` they are this
+    rank's vocabulary shard of the rows (student and teacher sharded alike); the loss is then the
+    full-vocabulary one on every rank and the gradient this shard's columns. Communication per block:
+    MAX and SUM all-reduces of ``[2, c]`` (stage 1) and one SUM of the ``[k, c]`` sums (k = 2 for
+    JSD, else 1).
+    """
+    partial_sums, finish = _stages(kind, beta)
+    log_q, log_p = _log_probs(s, t, student_temperature, teacher_temperature, teacher_format, group)  # [c, V]
+    sums, state = partial_sums(log_q, log_p, beta, teacher_format)  # [k, c], block buffers
+    if group is not None:
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM, group=group)
+    return finish(state, sums, beta, student_temperature)
 
 
 def _chunk_core(
@@ -249,24 +309,28 @@ def _chunk_core(
     teacher_format: TeacherFormat,
     beta: float,
     out: torch.Tensor | None = None,
+    group: object | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One chunk end to end: ``scale · Σ_{members} L`` and ``scale · ∂L/∂s`` with exact zero rows
     for non-members, cast to ``s.dtype``.
 
-    ``s``, ``t``: ``[c, V]`` slices of the caller's tensors (never modified); ``mask``: ``[c]`` bool
-    or None (all members); ``scale``: 0-d tensor ``1 / denominator`` in the compute dtype. With
-    ``out`` (``[c, V]``, ``s.dtype``, e.g. a slice of the ``[N, V]`` gradient) the gradient is
-    written there and None is returned in its place (under ``torch.compile`` the write is part of
-    the last fused kernel); without, it is returned.
+    ``s``, ``t``: ``[c, V]`` slices of the caller's tensors (never modified; with ``group``, this
+    rank's vocabulary shard, see :func:`_chunk_divergence`); ``mask``: ``[c]`` bool or None (all
+    members); ``scale``: 0-d tensor ``1 / denominator`` in the compute dtype. With ``out`` (``[c, V]``,
+    ``s.dtype``, e.g. a slice of the ``[N, V]`` gradient) the gradient is written there and None is
+    returned in its place (under ``torch.compile`` the write is part of the last fused kernel);
+    without, it is returned.
     """
-    kw = dict(
+    loss, grad = _chunk_divergence(
+        kind,
+        s,
+        t,
+        beta=beta,
         student_temperature=student_temperature,
         teacher_temperature=teacher_temperature,
         teacher_format=teacher_format,
-    )
-    if kind == "jsd":
-        kw["beta"] = beta
-    loss, grad = _CHUNK_FNS[kind](s, t, **kw)  # [c], [c, V]
+        group=group,
+    )  # [c], [c, V]
     grad = grad.mul_(scale)  # [c, V]
     if mask is None:
         if out is None:
@@ -539,14 +603,14 @@ def soft_cross_entropy(
 reverse_kl.__doc__ = (
     """Reverse KL ``KL(q‖p) = Σ_v q (log q − log p)`` per member token, normalised.
 
-    Gradient: ``∂/∂s = q (log q − log p − KL) / T_s`` (see :func:`_chunk_reverse_kl`).
+    Gradient: ``∂/∂s = q (log q − log p − KL) / T_s`` (see :func:`_reverse_kl_grad`).
 """
     + _COMMON_DOC
 )
 forward_kl.__doc__ = (
     """Forward KL ``KL(p‖q) = Σ_v p (log p − log q)`` per member token, normalised.
 
-    Gradient: ``∂/∂s = (q − p) / T_s`` (see :func:`_chunk_forward_kl`).
+    Gradient: ``∂/∂s = (q − p) / T_s`` (see :func:`_q_minus_p_grad`).
 """
     + _COMMON_DOC
 )
@@ -555,14 +619,14 @@ jsd.__doc__ = (
 
     GKD / TRL convention: ``beta=0`` is forward KL, ``beta=1`` reverse KL (the limits of the
     divergence divided by ``β`` resp. ``1 − β``; strictly inside (0, 1) it is not rescaled).
-    Gradient: ``∂/∂s = (1 − β) q (log q − log m − KL(q‖m)) / T_s`` (see :func:`_chunk_jsd`).
+    Gradient: ``∂/∂s = (1 − β) q (log q − log m − KL(q‖m)) / T_s`` (see :func:`_jsd_grad`).
 """
     + _COMMON_DOC
 )
 soft_cross_entropy.__doc__ = (
     """Soft cross-entropy ``−Σ_v p log q`` per member token, normalised (forward KL + H(p)).
 
-    Gradient: ``∂/∂s = (q − p) / T_s`` (see :func:`_chunk_soft_cross_entropy`).
+    Gradient: ``∂/∂s = (q − p) / T_s`` (see :func:`_q_minus_p_grad`).
 """
     + _COMMON_DOC
 )

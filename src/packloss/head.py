@@ -40,12 +40,14 @@ equal the single-process result; ``d_weight`` is the gradient of this rank's sha
 :func:`linear_distill` computes the distillation losses of :mod:`packloss.distill` (reverse KL,
 forward KL, JSD(β), soft cross-entropy) from the student head, against teacher logits or a teacher
 head. It is token-chunked: per chunk it builds the ``[C, V]`` student (and teacher) logits, calls
-the shared per-chunk function of ``packloss.distill`` (``_CHUNK_FNS[kind]``) for the per-token loss
+the shared per-chunk core of ``packloss.distill`` (``_chunk_core``) for the masked, normalised loss
 and ``∂L/∂s``, and accumulates ``d_hidden = ∂L/∂s · W`` and ``d_weight += ∂L/∂sᵀ · h`` in the
-forward; the backward only scales them by the incoming gradient. Vocab-parallel, each chunk's shard
-logits are all-gathered into the full ``[C, V]`` row block (the KL needs whole rows; the shared
-math is reused unchanged), each rank keeps its columns of ``∂L/∂s`` for ``d_weight``, and
-``d_hidden`` is all-reduced (``SUM``).
+forward; the backward only scales them by the incoming gradient. Vocab-parallel, each rank builds
+only its shard's ``[C, V_local]`` logits and the core communicates per-token scalars only: a MAX and
+a SUM all-reduce of ``[2, C]`` (the student and teacher log-normalisers) and a SUM of the ``[k, C]``
+partial sums of the divergence (k = 2 for JSD, else 1); ``∂L/∂s`` of the shard is then local, so
+``d_weight`` is this rank's rows and ``d_hidden`` is all-reduced (``SUM``) once after the last chunk.
+Shards may have any sizes (student and teacher sharded alike); no ``vocab_start`` is needed.
 
 Compute dtype: float32 for any input dtype (float64 for float64 inputs, so ``gradcheck`` works);
 outputs are in the compute dtype, gradients in the dtype of their input.
@@ -59,13 +61,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from packloss.distill import _CHUNK_FNS, _scale
+from packloss.distill import _chunk_core, _scale
 
 __all__ = ["linear_logprobs", "linear_distill"]
 
 DEFAULT_CHUNK_SIZE = 1024
 DEFAULT_VOCAB_CHUNK_SIZE = 8192
-DEFAULT_DISTILL_CHUNK_ELEMENTS = 2**22  # linear_distill: tokens per chunk = this // V
+DEFAULT_DISTILL_CHUNK_ELEMENTS = 2**22  # linear_distill: tokens per chunk = this // V_local
 
 
 # ----------------------------------------------------------------------------------------------
@@ -426,29 +428,6 @@ class _DistillConfig:
     group: object | None
 
 
-def _gather_vocab(block: torch.Tensor, group: object | None) -> torch.Tensor:
-    """All-gather a ``[C, V_local]`` shard block into ``[C, V]`` (identity without a group)."""
-    if group is None:
-        return block
-    parts = [torch.empty_like(block) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, block.contiguous(), group=group)
-    return torch.cat(parts, dim=1)  # [C, V]
-
-
-def _chunk_loss(
-    s: torch.Tensor, t: torch.Tensor, mask_c: torch.Tensor | None, cfg: _DistillConfig
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss ``[C]`` and ``∂L/∂s`` ``[C, V]`` from the shared ``packloss.distill`` chunk
-    function; non-member rows give exact zeros (dropped with ``torch.where``, whatever they hold)."""
-    kw = {"beta": cfg.beta} if cfg.kind == "jsd" else {}
-    loss, grad = _CHUNK_FNS[cfg.kind](
-        s, t, student_temperature=cfg.student_temperature, teacher_temperature=cfg.teacher_temperature, **kw
-    )
-    if mask_c is None:
-        return loss, grad
-    return torch.where(mask_c, loss, 0.0), torch.where(mask_c[:, None], grad, 0.0)
-
-
 def _distill_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -462,18 +441,24 @@ def _distill_forward(
     """``(loss, d_hidden [N, H] | None, d_weight [V_local, H] | None)``, chunk by chunk over tokens."""
     cdt = _compute_dtype(hidden, weight)
     w = weight.to(cdt)  # [V_local, H]
-    v_local = w.shape[0]
-    col0 = 0 if cfg.group is None else dist.get_rank(cfg.group) * v_local
     d_h = torch.zeros(hidden.shape, dtype=cdt, device=hidden.device) if need_h else None  # [N, H]
     d_w = torch.zeros(w.shape, dtype=cdt, device=w.device) if need_w else None  # [V_local, H]
     loss = torch.zeros((), dtype=cdt, device=hidden.device)
     for t0, t1 in _ranges(hidden.shape[0], cfg.chunk_size):
         h_c = hidden[t0:t1].to(cdt)  # [C, H]
-        s = _gather_vocab(h_c @ w.T, cfg.group)  # [C, V]
-        t = _gather_vocab(teacher_block(t0, t1), cfg.group)  # [C, V]
-        loss_c, grad = _chunk_loss(s, t, None if mask is None else mask[t0:t1], cfg)  # [C], [C, V]
-        loss = loss + loss_c.sum() * scale
-        grad = grad[:, col0 : col0 + v_local].mul_(scale)  # [C, V_local]
+        loss_c, grad = _chunk_core(
+            h_c @ w.T,  # [C, V_local]
+            teacher_block(t0, t1),  # [C, V_local]
+            None if mask is None else mask[t0:t1],
+            scale,
+            cfg.kind,
+            cfg.student_temperature,
+            cfg.teacher_temperature,
+            "logits",
+            cfg.beta,
+            group=cfg.group,
+        )  # scale · Σ_members L, scale · ∂L/∂s [C, V_local] with zero non-member rows
+        loss = loss + loss_c
         if d_h is not None:
             d_h[t0:t1] = grad @ w
         if d_w is not None:
@@ -556,15 +541,21 @@ def linear_distill(
     ``−Σ p log q`` — the math and normalisation of :mod:`packloss.distill`, shared with it.
 
     Args:
-        hidden, weight: the student head, ``[N, H]`` and ``[V, H]`` (with ``group``: this rank's
-            equal vocab shard ``[V / world, H]``, rank ``r`` holding rows ``[r·V_local, (r+1)·V_local)``).
+        hidden, weight: the student head, ``[N, H]`` and ``[V, H]`` (with ``group``: ``hidden``
+            replicated and ``weight`` this rank's vocabulary shard ``[V_local, H]``; the shards of
+            the group, of any sizes, partition the vocabulary).
         teacher_logits: ``[N, V]`` (``[N, V_local]`` with ``group``), or instead
         teacher_hidden, teacher_weight: a teacher head, ``[N, H_t]`` and ``[V, H_t]`` (sharded alike).
             The teacher receives no gradient.
         loss_mask: ``[N]`` bool members (None: all).
         normalize, denominator: ``"token"`` (member count or ``denominator``), ``"position"`` (N or
             ``denominator``), ``"sum"``.
-        chunk_size: tokens per chunk (default ``2**22 // V``); scratch is ``O(chunk × V)`` float32.
+        chunk_size: tokens per chunk (default ``2**22 // V_local``); scratch is ``O(chunk × V_local)``
+            float32.
+        group: a ``torch.distributed`` process group for a vocab-parallel head (see module doc):
+            per chunk it all-reduces ``[2, C]`` (MAX), ``[2, C]`` (SUM) and ``[k, C]`` (SUM)
+            per-token scalars, then ``d_hidden`` (SUM) once; the loss and ``d_hidden`` equal the
+            single-process ones on every rank, ``d_weight`` is this rank's rows.
 
     Returns:
         A 0-d loss in the compute dtype (float32; float64 for float64 inputs). Its gradients
@@ -584,8 +575,7 @@ def linear_distill(
     if loss_mask is not None:
         _check_tokens("loss_mask", loss_mask, n, integer=False)
         loss_mask = loss_mask.to(torch.bool)
-    v = v_local * (1 if group is None else dist.get_world_size(group))
-    rows = chunk_size if chunk_size is not None else max(1, DEFAULT_DISTILL_CHUNK_ELEMENTS // v)
+    rows = chunk_size if chunk_size is not None else max(1, DEFAULT_DISTILL_CHUNK_ELEMENTS // v_local)
     _check_chunk("chunk_size", rows)
     cfg = _DistillConfig(
         kind=kind,
