@@ -252,9 +252,9 @@ def generate(
             logprobs.append(logp.gather(1, nxt[:, None]).squeeze(1))
             ids = torch.cat([ids, nxt[:, None]], dim=1)
             attention = torch.cat([attention, torch.ones_like(nxt[:, None])], dim=1)
-        tok = torch.stack(tokens, 1).tolist()
-        lps = torch.stack(logprobs, 1).tolist()
-        kl_rows = torch.stack(kls, 1).tolist() if kls else None
+        tok = torch.stack(tokens, 1).tolist()  # sync-ok: the sampler hands tokens to the host once per batch
+        lps = torch.stack(logprobs, 1).tolist()  # sync-ok: sampler output
+        kl_rows = torch.stack(kls, 1).tolist() if kls else None  # sync-ok: sampler output
         for b, digits in enumerate(chunk):
             row = tok[b][: len(digits) + 2]
             length = row.index(EOS) + 1 if EOS in row else len(row)
@@ -479,7 +479,7 @@ def train_step(
         dist.all_reduce(loss_sum)
     if kind == "full":
         kl = loss_sum
-    values = torch.stack([loss_sum, kl, *metrics.values()]).tolist()
+    values = torch.stack([loss_sum, kl, *metrics.values()]).tolist()  # sync-ok: one read per step, for logging
     empty = [r for r, shard in enumerate(shards) if None in shard]
     tokens = sum(len(r.tokens) for r in rollouts)
     return StepStats(values[0], values[1], dict(zip(metrics, values[2:], strict=True)), tokens, len(bins), empty)
@@ -786,7 +786,7 @@ def _phases(
         model.train()
         rewards = torch.tensor([r.reward for r in rollouts])
         groups = torch.arange(cfg.rl_prompts).repeat_interleave(cfg.rl_group)
-        return rollouts, group_advantages(rewards, groups, cfg.rl_prompts).tolist()
+        return rollouts, group_advantages(rewards, groups, cfg.rl_prompts).tolist()  # sync-ok: rollout side
 
     checkpoint("teacher_init", "sft", 0, teacher, None)
     phase("sft", "ce", teacher, cfg.sft_steps, cfg.sft_lr, sft_batch, None)
@@ -869,7 +869,7 @@ def _train(ctx: Dist, args: argparse.Namespace) -> None:
     if out is not None:
         (out / "summary.json").write_text(json.dumps(summary, indent=1))
         params = {"teacher": teacher.state_dict(), "student": student.state_dict()}
-        torch.save({k: {n: t.cpu() for n, t in v.items()} for k, v in params.items()}, out / "params.pt")
+        torch.save({k: {n: t.cpu() for n, t in v.items()} for k, v in params.items()}, out / "params.pt")  # sync-ok
         if plot_curves(rec.records, out / "curves.png"):
             print(f"wrote {out / 'metrics.jsonl'}, {out / 'summary.json'}, {out / 'curves.png'}")
 

@@ -15,11 +15,11 @@ __all__ = ["OpCounter", "SYNC_OPS", "ARCHETYPES", "make_archetype", "random_seq_
 
 SYNC_OPS = frozenset(
     {
-        "aten._local_scalar_dense",  # .item(), bool(tensor), .tolist(), int(tensor), float(tensor)
+        "aten._local_scalar_dense",  # sync-ok (a name): .item(), bool(tensor), .tolist(), int(), float()
         "aten.is_nonzero",
         "aten.nonzero",
         "aten.nonzero_static",
-        "aten.masked_select",
+        "aten.masked_select",  # sync-ok (a name)
         "aten.masked_scatter",
         "aten.unique",
         "aten._unique",
@@ -90,7 +90,7 @@ def random_seq_lens(num_tokens: int, num_seqs: int, generator: torch.Generator) 
     extra = torch.floor(weights / weights.sum() * rest).to(torch.long)
     extra[0] += rest - int(extra.sum())
     lens = [1] + [1 + int(e) for e in extra]
-    perm = torch.randperm(num_seqs, generator=generator).tolist()
+    perm = torch.randperm(num_seqs, generator=generator).tolist()  # sync-ok: host-side test data
     return [lens[i] for i in perm]
 
 
