@@ -23,7 +23,9 @@ are dealt to ``N`` DDP ranks (gloo on CPU, NCCL on CUDA) and padded with empty b
 backward the same number of times; denominators come from one all-reduce
 (:func:`packloss.normalize.count_denominators`). Sampling is replicated on every rank (same seed,
 same weights) — it plays the inference engine, which is outside packloss — so an ``N``-process run
-trains on exactly the data of a one-process run.
+trains on exactly the data of a one-process run. ``--emulate-ranks K`` makes one process accumulate
+as ``K`` ranks would (same deal of bins, per-rank gradients and sums, combined as the all-reduces
+do): for ``K ≤ 2`` its parameters are bit-identical to a ``--nproc K`` run's.
 
 Needs the ``hf`` extra (``transformers``); ``rich`` or ``tqdm`` (progress bars) and ``matplotlib``
 (the plot) are used when installed.
@@ -427,6 +429,7 @@ def train_step(
     bin_tokens: int,
     teacher: nn.Module | None = None,
     baseline: bool = True,
+    emulate_ranks: int = 1,
 ) -> StepStats:
     """One optimizer step over ``rollouts``: pack, deal bins to ranks, count the global denominators
     with one all-reduce, forward/backward every micro-batch (DDP syncs on the last), clip, step.
@@ -435,41 +438,64 @@ def train_step(
     KL) or ``rl``. With ``baseline`` the ``ref_kl`` advantage ``ref − trn`` is centred by the step's
     mean ``ref − inf`` over every rank (added to the reference stream: a constant shift, so the
     policy gradient keeps its expectation and loses most of its variance).
+
+    ``emulate_ranks`` ``K`` (one process only): accumulate as ``K`` data-parallel ranks would — the
+    same :func:`~packloss.packing.shard_bins` deal, each shard's gradients and sums accumulated
+    apart, then combined across shards as the all-reduces do. With ``K ≤ 2`` the step is bit-identical
+    to a ``K``-process step (a sum of two floats does not depend on the all-reduce's order); with more
+    it is the same computation up to the all-reduce's summation order.
     """
+    if emulate_ranks != 1 and ctx.world != 1:
+        raise ValueError(f"emulate_ranks={emulate_ranks} needs a one-process run, not world size {ctx.world}")
     bins = pack_ffd([len(r.tokens) for r in rollouts], bin_tokens)
-    shards = shard_bins(len(bins), ctx.world)
-    mine = [
-        empty_bin(ctx.device)
-        if k is None
-        else make_bin([rollouts[i] for i in bins[k]], [advantages[i] for i in bins[k]], ctx.device)
-        for k in shards[ctx.rank]
-    ]
-    # The denominators depend on the masks only: count them before any forward.
+    world = ctx.world * emulate_ranks  # the data-parallel size, real or emulated
+    shards = shard_bins(len(bins), world)
+    groups = [
+        [
+            empty_bin(ctx.device)
+            if k is None
+            else make_bin([rollouts[i] for i in bins[k]], [advantages[i] for i in bins[k]], ctx.device)
+            for k in shard
+        ]
+        for shard in (shards if ctx.world == 1 else [shards[ctx.rank]])
+    ]  # this process's bins, one list per (emulated) rank
+    mine = [b for group in groups for b in group]
+    # The denominators depend on the masks only: count them before any forward (integer counts:
+    # exact in float32, so the same whichever rank counts which bin).
     layouts = [_packed_batch(kind, b, torch.zeros(b.answer.shape, device=ctx.device), None) for b in mine]
     scales = count_denominators(layouts, all_reduce=ctx.world > 1, device=ctx.device).scales("token")
-    refs = _teacher_streams(kind, mine, teacher)
+    refs = [_teacher_streams(kind, group, teacher) for group in groups]
     kl = torch.zeros((), device=ctx.device)
     if kind == "ref_kl":
-        kl = _mean_sampled_kl(ctx, mine, refs)
+        kl = _mean_sampled_kl(ctx, groups, refs)
         if baseline:
-            refs = [ref + kl for ref in refs]
+            refs = [[ref + kl for ref in group] for group in refs]
     ddp = isinstance(policy, nn.parallel.DistributedDataParallel)
-    optimizer.zero_grad(set_to_none=True)
+    params = [p for p in policy.parameters() if p.requires_grad]
+    shard_grads: list[list[Tensor | None]] = []
     results: list[LossResult] = []
     loss_sum = torch.zeros((), device=ctx.device)
-    for i, (b, ref) in enumerate(zip(mine, refs, strict=True)):
-        sync = i == len(mine) - 1 or not ddp
-        with contextlib.nullcontext() if sync else policy.no_sync():
-            if kind == "full":
-                assert teacher is not None
-                loss = policy(b, ref, teacher.lm_head.weight, scales["ref_kl_scale"])
-            else:
-                result = compute_loss(_packed_batch(kind, b, policy(b), ref), DPPO, **scales)
-                results.append(result)
-                loss = result.loss
-            # DDP averages gradients over ranks; the global denominators already make it a sum.
-            (loss * ctx.world).backward()
-        loss_sum = loss_sum + loss.detach()
+    for group, group_refs in zip(groups, refs, strict=True):
+        optimizer.zero_grad(set_to_none=True)
+        for i, (b, ref) in enumerate(zip(group, group_refs, strict=True)):
+            sync = i == len(group) - 1 or not ddp
+            with contextlib.nullcontext() if sync else policy.no_sync():
+                if kind == "full":
+                    assert teacher is not None
+                    loss = policy(b, ref, teacher.lm_head.weight, scales["ref_kl_scale"])
+                else:
+                    result = compute_loss(_packed_batch(kind, b, policy(b), ref), DPPO, **scales)
+                    results.append(result)
+                    loss = result.loss
+                # DDP averages gradients over ranks; the global denominators already make it a sum.
+                (loss * world).backward()
+            loss_sum = loss_sum + loss.detach()
+        shard_grads.append([p.grad for p in params])
+    if emulate_ranks > 1:
+        # What DDP's all-reduce computes from the ranks' gradients: the sum of grad / world.
+        for p, grads in zip(params, zip(*shard_grads, strict=True), strict=True):
+            reduced = [g * (1 / world) for g in grads if g is not None]
+            p.grad = sum(reduced[1:], reduced[0]) if reduced else None
     torch.nn.utils.clip_grad_norm_(policy.parameters(), 1.0)
     optimizer.step()
     metrics, counts = merge_metrics(results) if results else ({}, {})
@@ -497,16 +523,21 @@ def _teacher_streams(kind: str, bins: Sequence[Bin], teacher: nn.Module | None) 
         return [teacher.model(input_ids=b.input_ids, position_ids=b.positions).last_hidden_state[0] for b in bins]
 
 
-def _mean_sampled_kl(ctx: Dist, bins: Sequence[Bin], refs: Sequence[Tensor]) -> Tensor:
+def _mean_sampled_kl(ctx: Dist, groups: Sequence[Sequence[Bin]], refs: Sequence[Sequence[Tensor]]) -> Tensor:
     """The step's mean of ``inf − ref`` over the answer tokens of every bin and rank (a sampled
-    estimate of ``KL(student‖teacher)`` per token). One all-reduce of two numbers."""
-    totals = torch.zeros(2, device=ctx.device)
-    for b, ref in zip(bins, refs, strict=True):
-        diff = torch.where(b.answer, b.inference_logprobs - ref, 0.0)
-        totals = totals + torch.stack([diff.sum(), b.answer.sum(dtype=torch.float32)])
+    estimate of ``KL(student‖teacher)`` per token). One all-reduce of two numbers; ``groups`` are
+    this process's bins per (emulated) rank, summed apart and then across, as the all-reduce does."""
+    totals = []
+    for bins, group_refs in zip(groups, refs, strict=True):
+        total = torch.zeros(2, device=ctx.device)
+        for b, ref in zip(bins, group_refs, strict=True):
+            diff = torch.where(b.answer, b.inference_logprobs - ref, 0.0)
+            total = total + torch.stack([diff.sum(), b.answer.sum(dtype=torch.float32)])
+        totals.append(total)
+    total = sum(totals[1:], totals[0])
     if ctx.world > 1:
-        dist.all_reduce(totals)
-    return totals[0] / totals[1].clamp_min(1)
+        dist.all_reduce(total)
+    return total[0] / total[1].clamp_min(1)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -740,17 +771,19 @@ def _phases(
         rng = random.Random(f"{name}-{args.seed}")
         gen = torch.Generator(device=ctx.device).manual_seed(args.seed * 1000 + len(phases))
         bar = rec.bar(name, steps)
-        tokens, empty, eval_s, t0 = 0, {r: 0 for r in range(ctx.world)}, 0.0, time.perf_counter()
+        ranks = ctx.world * args.emulate_ranks  # data-parallel ranks, real or emulated
+        tokens, empty, eval_s, t0 = 0, {r: 0 for r in range(ranks)}, 0.0, time.perf_counter()
         eval_ref = ref if kind != "ce" else None
         for step in range(1, steps + 1):
             rollouts, advantages = batch_fn(model, rng, gen)
-            stats = train_step(ctx, policy, optimizer, kind, rollouts, advantages, cfg.bin_tokens, ref, args.baseline)
+            stats = train_step(ctx, policy, optimizer, kind, rollouts, advantages, cfg.bin_tokens, ref,
+                               args.baseline, args.emulate_ranks)  # fmt: skip
             tokens += stats.tokens
             for r in stats.empty_bins:
                 empty[r] += 1
-            if ctx.rank in stats.empty_bins and empty[ctx.rank] == 1:
-                note = f"empty bin ({stats.bins} bins for {ctx.world} ranks)"
-                print(f"[rank {ctx.rank}] {name} step {step}: {note}", flush=True)
+                if empty[r] == 1 and (r == ctx.rank or ctx.world == 1):  # the process that runs rank r says so
+                    note = f"empty bin ({stats.bins} bins for {ranks} ranks)"
+                    print(f"[rank {r}] {name} step {step}: {note}", flush=True)
             live = {"loss": stats.loss}
             if kind != "ce":  # SFT trains on the answers themselves: their reward is 1
                 live["reward"] = sum(r.reward for r in rollouts) / len(rollouts)
@@ -855,6 +888,7 @@ def _train(ctx: Dist, args: argparse.Namespace) -> None:
         "quick": args.quick,
         "distill": args.distill,
         "nproc": ctx.world,
+        "emulate_ranks": args.emulate_ranks,
         "device": str(ctx.device),
         "threads": args.threads,
         "torch": torch.__version__,
@@ -891,6 +925,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sampled-token ref_kl (on-policy distillation) or full-vocabulary reverse KL")  # fmt: skip
     parser.add_argument("--no-baseline", dest="baseline", action="store_false",
                         help="sampled distillation without the mean baseline (raw advantage ref − trn)")  # fmt: skip
+    parser.add_argument("--emulate-ranks", type=int, default=1, metavar="K",
+                        help="one process only: accumulate as K data-parallel ranks would, for bit-exact "
+                        "comparison with --nproc K (exact for K <= 2)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--progress", choices=("auto", "rich", "tqdm", "plain", "none"), default="auto")
     parser.add_argument("--sft-steps", type=int, default=None)
@@ -901,8 +938,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the demo; returns the exit code."""
     args.progress = _progress_kind(args.progress)
-    if args.nproc < 1 or args.threads < 1:
-        print("--nproc and --threads must be at least 1", file=sys.stderr)
+    if args.nproc < 1 or args.threads < 1 or args.emulate_ranks < 1:
+        print("--nproc, --threads and --emulate-ranks must be at least 1", file=sys.stderr)
+        return 2
+    if args.nproc > 1 and args.emulate_ranks > 1:
+        print("--emulate-ranks is for one process (it emulates --nproc K)", file=sys.stderr)
         return 2
     if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
         print(f"--device cuda needs {args.nproc} GPU(s), found {torch.cuda.device_count()}", file=sys.stderr)
