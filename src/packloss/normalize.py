@@ -87,7 +87,9 @@ def count_denominators(
     ``all_reduce=True``, over the ranks of ``group`` (default: the world) with ONE ``all_reduce``.
 
     Positions count every token of every bin for every component. A rank with no micro-batch passes
-    ``[]`` (and ``device``) and still joins the all-reduce. No device→host sync.
+    ``[]`` (and ``device``) and still joins the all-reduce. No device→host sync. Only the masks,
+    weights and layout are read, so before the forward a trainer may build the batches with any
+    placeholder for ``trainer_logprobs`` (e.g. the inference log-probs).
     """
     if device is None:
         device = batches[0].trainer_logprobs.device if batches else torch.device("cpu")
