@@ -111,7 +111,7 @@ def _plan(device: str, quick: bool) -> tuple[list[tuple[int, int]], tuple[str, .
         return [(512, 8192)], ("naive_eager", "packloss_eager"), "float32", 1, 3
     if device.startswith("cuda"):
         return [(8192, 131072), (16384, 151936)], VARIANTS, "bfloat16", 3, 10
-    return [(2048, 32000), (4096, 65536)], VARIANTS, "float32", 1, 5
+    return [(2048, 32000), (4096, 65536)], VARIANTS, "float32", 1, 3
 
 
 def run(device: str, quick: bool, progress: Callable[[str], None] | None = None) -> dict:
