@@ -15,7 +15,9 @@ Differences a caller can see, as PR #2951 states them:
   sequence, stacked). A component whose mask is empty reports its metrics with value 0 (before: the
   metric was missing when every sequence was skipped).
 * Loss functions (built-in and custom) are called **once per bin** with the concatenated streams and
-  the layout fields ``seq_ids``, ``cu_seqlens``, ``num_seqs`` of :class:`LossInputs`. A custom loss
+  the layout fields ``seq_ids``, ``cu_seqlens``, ``num_seqs`` of :class:`LossInputs`.
+* Loss configs are matched by their fields (duck typing), so prime-rl's own pydantic configs work:
+  ``import_path`` → custom, ``ipo_threshold`` → IPO, ``dppo_mask_low`` / ``dppo_mask_high`` → DPPO. A custom loss
   that is additive over tokens is unaffected; one that normalises per sequence must use the layout
   (``packloss check MODULE:FUNCTION`` tells which).
 """
@@ -23,17 +25,17 @@ Differences a caller can see, as PR #2951 states them:
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from packloss.batch import PackedBatch
-from packloss.ce import ce_loss
-from packloss.component import LossFn, LossInputs, LossOutputs
-from packloss.compute import compute_loss as _native_compute_loss
-from packloss.pg import REF_KL, PGParams, pg_loss
+from packloss.core.components import ComponentInputs, ComponentOutput, masked_mean, upcast
+from packloss.core.engine import compute_loss as _engine_compute_loss
+from packloss.core.plan import Component, Outputs, Plan
+from packloss.core.pg import REF_KL, PGParams, pg_loss
 
 __all__ = [
     "LossInputs",
@@ -54,6 +56,52 @@ __all__ = [
     "shift_tensor_left",
     "shift_tensor_right",
 ]
+
+
+@dataclass
+class LossInputs:
+    """What a prime-rl loss function sees, every stream ``[N]`` over the concatenated bin.
+
+    ``loss_mask`` selects the component's member tokens; ``loss_weights`` is its weight stream (None:
+    1 on every member). ``seq_ids [N]``, ``cu_seqlens [S+1]`` and ``num_seqs`` describe the packing;
+    they default to one sequence spanning all tokens (what a per-sequence caller passes).
+    """
+
+    trainer_logprobs: Tensor
+    inference_logprobs: Tensor
+    ref_logprobs: Tensor | None
+    advantages: Tensor | None
+    loss_mask: Tensor
+    loss_weights: Tensor | None = None
+    seq_ids: Tensor | None = None
+    cu_seqlens: Tensor | None = None
+    num_seqs: int = 1
+    per_sequence_metrics: bool = False
+
+    def __post_init__(self) -> None:
+        if self.seq_ids is None:
+            n = self.trainer_logprobs.shape[0]
+            device = self.trainer_logprobs.device
+            self.seq_ids = torch.zeros(n, dtype=torch.long, device=device)
+            self.cu_seqlens = torch.tensor([0, n], dtype=torch.int32, device=device)
+            self.num_seqs = 1
+
+    def mean(self, values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """Sync-free mean of ``values`` over ``mask`` and its member count (``[S]`` per sequence)."""
+        return masked_mean(values, mask, self.seq_ids, self.num_seqs, self.per_sequence_metrics)
+
+
+@dataclass
+class LossOutputs:
+    """A loss function's summed loss (a scalar, not yet divided by any scale) and its metrics;
+    ``counts`` maps a metric name to the member count it was taken over (optional)."""
+
+    loss: Tensor
+    metrics: dict[str, Tensor]
+    counts: dict[str, Tensor] = field(default_factory=dict)
+
+
+LossFn = Callable[[LossInputs], LossOutputs]
 
 
 @dataclass(frozen=True)
@@ -87,8 +135,9 @@ class CustomLossConfig:
 LossConfig = DefaultLossConfig | IPOLossConfig | CustomLossConfig
 
 
-def _pg_params(loss_config: DefaultLossConfig | IPOLossConfig) -> PGParams:
-    if isinstance(loss_config, IPOLossConfig):
+def _pg_params(loss_config: Any) -> PGParams:
+    """The objective of a DPPO- or IPO-shaped config (matched by its fields)."""
+    if hasattr(loss_config, "ipo_threshold"):
         return PGParams(
             trust_region="ipo",
             ipo_threshold=loss_config.ipo_threshold,
@@ -104,34 +153,52 @@ def _pg_params(loss_config: DefaultLossConfig | IPOLossConfig) -> PGParams:
     )
 
 
+def _summed(inputs: LossInputs, params: PGParams) -> LossOutputs:
+    """``Σ_t ℓ_t · w_t`` of the objective, in the per-token order of the per-sequence original."""
+    out = pg_loss(inputs, params)
+    per_token = out.per_token
+    if inputs.loss_weights is not None:
+        per_token = per_token * torch.where(inputs.loss_mask, upcast(inputs.loss_weights), 0.0)
+    return LossOutputs(loss=per_token.sum(), metrics=out.metrics, counts=out.counts)
+
+
 def default_loss_fn(inputs: LossInputs, loss_config: DefaultLossConfig) -> LossOutputs:
-    """DPPO trust region + squared-log-ratio KL (the skeleton with ``trust_region="dppo"``)."""
-    return pg_loss(inputs, _pg_params(loss_config))
+    """DPPO trust region + squared-log-ratio KL (``PGParams(trust_region="dppo")``)."""
+    return _summed(inputs, _pg_params(loss_config))
 
 
 def ipo_loss_fn(inputs: LossInputs, loss_config: IPOLossConfig) -> LossOutputs:
-    """IPO: symmetric trust region ``|dp| > ipo_threshold`` (the skeleton with ``trust_region="ipo"``)."""
-    return pg_loss(inputs, _pg_params(loss_config))
+    """IPO: symmetric trust region ``|dp| > ipo_threshold`` (``PGParams(trust_region="ipo")``)."""
+    return _summed(inputs, _pg_params(loss_config))
 
 
 def ref_kl_loss_fn(inputs: LossInputs) -> LossOutputs:
-    """On-policy distillation (:data:`packloss.pg.REF_KL`); its mean ``ref − trn`` is named ``ref_kl``."""
-    out = pg_loss(inputs, REF_KL)
-    rename = {"ref_kl/ref_kl": "ref_kl"}
+    """On-policy distillation (:data:`packloss.REF_KL`); metrics ``ref_kl/...`` and ``ref_kl``
+    (the mean ``ref − trn``)."""
+    out = _summed(inputs, REF_KL)
+    rename = lambda k: "ref_kl" if k == "ref_kl" else f"ref_kl/{k}"
     return LossOutputs(
         loss=out.loss,
-        metrics={rename.get(k, k): v for k, v in out.metrics.items()},
-        counts={rename.get(k, k): v for k, v in out.counts.items()},
+        metrics={rename(k): v for k, v in out.metrics.items()},
+        counts={rename(k): v for k, v in out.counts.items()},
     )
 
 
 def ce_loss_fn(inputs: LossInputs) -> LossOutputs:
-    """Masked negative log-likelihood; metric ``nll``."""
-    return ce_loss(inputs)
+    """Masked negative log-likelihood ``Σ −trn · w``; metric ``nll``."""
+    m = inputs.loss_mask
+    trn = upcast(inputs.trainer_logprobs)
+    nll = -trn
+    if inputs.loss_weights is not None:
+        nll = nll * upcast(inputs.loss_weights)
+    value, count = inputs.mean(-trn, m)
+    return LossOutputs(loss=torch.where(m, nll, 0.0).sum(), metrics={"nll": value}, counts={"nll": count})
 
 
 def import_object(import_path: str) -> Any:
     """``"pkg.module.name"`` or ``"pkg.module:name"`` → the object."""
+    if not isinstance(import_path, str):
+        raise TypeError(f"import_path must be a str, got {type(import_path).__name__}")
     module_name, sep, attr = import_path.partition(":")
     if not sep:
         module_name, _, attr = import_path.rpartition(".")
@@ -143,17 +210,62 @@ def import_object(import_path: str) -> Any:
         raise ValueError(f"cannot import {import_path!r}: {exc}") from exc
 
 
-def setup_rl_loss_fn(loss_config: LossConfig) -> LossFn:
-    """The rl component's loss function for a prime-rl loss config."""
-    if isinstance(loss_config, CustomLossConfig):
+def setup_rl_loss_fn(loss_config: Any) -> LossFn:
+    """The rl loss function for a prime-rl loss config, matched by its fields (so prime-rl's own
+    pydantic configs work as well as the dataclasses here)."""
+    if hasattr(loss_config, "import_path"):
         custom_fn = import_object(loss_config.import_path)
-        kwargs = dict(loss_config.kwargs)
+        kwargs = dict(getattr(loss_config, "kwargs", None) or {})
         return lambda inputs: custom_fn(inputs, **kwargs)
-    if isinstance(loss_config, DefaultLossConfig | IPOLossConfig):
-        return _pg_params(loss_config)
+    if hasattr(loss_config, "ipo_threshold") or hasattr(loss_config, "dppo_mask_low"):
+        params = _pg_params(loss_config)
+        return lambda inputs: _summed(inputs, params)
     raise TypeError(
-        f"loss_config must be DefaultLossConfig, IPOLossConfig or CustomLossConfig, got {type(loss_config).__name__}"
+        "loss_config must look like DefaultLossConfig (dppo_mask_low/high), IPOLossConfig (ipo_threshold) or "
+        f"CustomLossConfig (import_path), got {type(loss_config).__name__}"
     )
+
+
+@dataclass(frozen=True)
+class _LossFnComponent:
+    """Runs a prime-rl loss function (summed loss) as a component of the engine: the function gets
+    the raw weights, and its sum is divided by the component's constant scale."""
+
+    fn: LossFn
+
+    def __call__(self, inputs: ComponentInputs) -> ComponentOutput:
+        comp = inputs.plan.components[inputs.name]
+        loss_inputs = LossInputs(
+            trainer_logprobs=inputs.trainer_logprobs,
+            inference_logprobs=inputs.plan.inference_logprobs,
+            ref_logprobs=inputs.ref_logprobs,
+            advantages=inputs.advantages,
+            loss_mask=inputs.loss_mask,
+            loss_weights=comp.weights,
+            seq_ids=inputs.seq_ids,
+            cu_seqlens=inputs.cu_seqlens,
+            num_seqs=inputs.num_seqs,
+        )
+        out = self.fn(loss_inputs)
+        if not isinstance(out, LossOutputs):
+            raise TypeError(f"the {inputs.name} loss function must return LossOutputs, got {type(out).__name__}")
+        loss = upcast(out.loss)
+        if loss.dim() != 0:
+            raise ValueError(f"the {inputs.name} loss function returned a loss of shape {tuple(loss.shape)}, not a scalar")
+        return ComponentOutput(per_token=None, metrics=out.metrics, counts=out.counts, loss=loss / comp.constant)
+
+
+def _cat(name: str, seqs: list[Tensor] | None, seq_lens: tuple[int, ...]) -> Tensor | None:
+    if seqs is None:
+        return None
+    if len(seqs) != len(seq_lens):
+        raise ValueError(f"{name} holds {len(seqs)} sequences, trainer_logprobs {len(seq_lens)}")
+    for i, (t, n) in enumerate(zip(seqs, seq_lens, strict=True)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        if tuple(t.shape) != (n,):
+            raise ValueError(f"{name}[{i}] must have shape ({n},), got {tuple(t.shape)}")
+    return torch.cat(list(seqs))
 
 
 def compute_loss(
@@ -175,25 +287,52 @@ def compute_loss(
     ``loss = Σ rl / rl_scale + Σ ce / ce_scale + Σ ref_kl / ref_kl_scale``; metrics are 1-element
     token-weighted tensors (see the module docstring).
     """
-    batch = PackedBatch.from_sequences(
-        trainer_logprobs=trainer_logprobs,
-        inference_logprobs=inference_logprobs,
-        loss_mask=loss_mask,
-        advantages=advantages,
-        ref_logprobs=ref_logprobs,
-        rl_weights=rl_weights,
-        ce_weights=ce_weights,
-        ref_kl_weights=ref_kl_weights,
+    if not isinstance(trainer_logprobs, list | tuple) or not trainer_logprobs:
+        raise ValueError("trainer_logprobs must be a non-empty list of per-sequence tensors")
+    if not callable(rl_loss_fn):
+        raise TypeError(f"rl_loss_fn must be callable, got {type(rl_loss_fn).__name__}")
+    seq_lens = tuple(t.shape[0] for t in trainer_logprobs)
+    streams = {
+        name: _cat(name, seqs, seq_lens)
+        for name, seqs in dict(
+            trainer_logprobs=trainer_logprobs,
+            inference_logprobs=inference_logprobs,
+            ref_logprobs=ref_logprobs,
+            advantages=advantages,
+            loss_mask=loss_mask,
+            rl_weights=rl_weights,
+            ce_weights=ce_weights,
+            ref_kl_weights=ref_kl_weights,
+        ).items()
+    }
+    if streams["ref_kl_weights"] is not None and streams["ref_logprobs"] is None:
+        raise ValueError("ref_kl_weights is given but ref_logprobs is None: the ref_kl component needs them")
+    components = {
+        "rl": Component(
+            _LossFnComponent(rl_loss_fn), streams["loss_mask"], streams["rl_weights"], "constant", rl_scale
+        )
+    }
+    if streams["ce_weights"] is not None:
+        components["ce"] = Component(_LossFnComponent(ce_loss_fn), None, streams["ce_weights"], "constant", ce_scale)
+    if streams["ref_kl_weights"] is not None:
+        components["ref_kl"] = Component(
+            _LossFnComponent(ref_kl_loss_fn), None, streams["ref_kl_weights"], "constant", ref_kl_scale
+        )
+    plan = Plan(
+        seq_lens=seq_lens,
+        components=components,
+        inference_logprobs=streams["inference_logprobs"],
+        ref_logprobs=streams["ref_logprobs"],
+        advantages=streams["advantages"],
     )
-    result = _native_compute_loss(
-        batch,
-        rl_loss_fn,
-        ref_kl=ref_kl_loss_fn,
-        rl_scale=rl_scale,
-        ce_scale=ce_scale,
-        ref_kl_scale=ref_kl_scale,
-    )
-    return result.loss, {k: v.reshape(1) for k, v in result.metrics.items()}
+    result = _engine_compute_loss(plan, Outputs(logprobs=streams["trainer_logprobs"]))
+    metrics: dict[str, Tensor] = {}
+    for key, value in result.metrics.items():
+        _, _, name = key.partition("/")
+        if name in metrics:
+            raise ValueError(f"metric {name!r} is produced by two components")
+        metrics[name] = value.reshape(1)
+    return result.loss, metrics
 
 
 def selective_log_softmax(logits: Tensor, index: Tensor) -> Tensor:

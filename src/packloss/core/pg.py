@@ -1,4 +1,4 @@
-"""The policy-gradient skeleton: one per-token loss, parameterised (DESIGN.md §2).
+"""The policy-gradient objective: one per-token loss, parameterised by :class:`PGParams`.
 
 Per token ``t`` with member mask ``m``, optional weights ``w``, ``A' = adv_tau · A``::
 
@@ -8,8 +8,9 @@ Per token ``t`` with member mask ``m``, optional weights ``w``, ``A' = adv_tau �
            | where(m, ref − trn, 0).detach()     # advantage "ref_kl" (reverse KL / on-policy distillation)
     dp     = exp(trn) − exp(inf)                 # probability difference, on masked values
     J_t    = surrogate(trust_region; r, A', ...) # the objective to maximise, see the table below
-    loss_t = (−J_t + kl_tau · m · K(log_r) + ref_kl_coef · m · K_ref(ref − trn)) · tis_t · w_t
-    loss   = Σ_t loss_t
+    loss_t = (−J_t + kl_tau · m · K(log_r) + ref_kl_coef · m · K_ref(ref − trn)) · tis_t
+
+``loss_t`` is the per-token loss of the component; the engine applies weights and normalisation.
 
 =============  ==========================================================================
 trust_region   surrogate ``J_t``
@@ -42,10 +43,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from packloss.component import LossInputs, LossOutputs, make_outputs, upcast
-from packloss.segments import broadcast, segment_mean
+from packloss.core.components import ComponentInputs, ComponentOutput, outputs_from_named, upcast
+from packloss.core.segments import broadcast, segment_mean
 
-__all__ = ["PGParams", "pg_loss", "DPPO", "IPO", "REF_KL", "TRUST_REGIONS", "KL_ESTIMATORS"]
+__all__ = ["PGParams", "pg_loss", "DPPO", "IPO", "REF_KL", "TRUST_REGIONS", "KL_ESTIMATORS", "kl_estimate"]
 
 ADVANTAGES = ("shipped", "ref_kl")
 TRUST_REGIONS = ("dppo", "ipo", "one_sided", "none", "icepop", "ppo_clip", "cispo", "gspo")
@@ -74,7 +75,6 @@ class PGParams:
             (detached); ``None`` disables it.
         ref_kl_coef: coefficient of a KL-to-reference penalty (needs ``ref_logprobs``), GRPO's β.
         ref_kl_estimator: its estimator (default ``k3``).
-        metric_prefix: prepended to every metric name (``"ref_kl/"`` for the ref_kl component).
     """
 
     advantage: str = "shipped"
@@ -94,7 +94,6 @@ class PGParams:
     tis_cap: float | None = None
     ref_kl_coef: float = 0.0
     ref_kl_estimator: str = "k3"
-    metric_prefix: str = ""
 
     def __post_init__(self) -> None:
         if self.advantage not in ADVANTAGES:
@@ -120,28 +119,35 @@ class PGParams:
             raise ValueError(f"tis_cap must be > 0 or None, got {self.tis_cap}")
         if self.ref_kl_coef < 0:
             raise ValueError(f"ref_kl_coef must be >= 0, got {self.ref_kl_coef}")
-        if not isinstance(self.metric_prefix, str):
-            raise TypeError(f"metric_prefix must be a str, got {type(self.metric_prefix).__name__}")
 
-    def __call__(self, inputs: LossInputs) -> LossOutputs:
+    def __call__(self, inputs: ComponentInputs) -> ComponentOutput:
         return pg_loss(inputs, self)
+
+    def check_plan(self, plan, name: str) -> None:
+        """Raise a ``ValueError`` naming ``name`` when the plan lacks a stream this objective reads."""
+        plan.require("inference_logprobs", name)
+        if self.advantage == "shipped":
+            plan.require("advantages", name)
+        if self.advantage == "ref_kl" or self.ref_kl_coef:
+            plan.require("ref_logprobs", name)
 
 
 DPPO = PGParams()
 """prime-rl's default loss: DPPO-Binary TV trust region + Kimi-K2.5 squared-log-ratio KL."""
 IPO = PGParams(trust_region="ipo")
 """prime-rl's IPO loss: symmetric trust region ``|dp| > 0.1``."""
-REF_KL = PGParams(advantage="ref_kl", trust_region="one_sided", kl_tau=1e-3, metric_prefix="ref_kl/")
-"""On-policy distillation: reverse KL to the reference as advantage, one-sided region at 0.2."""
+REF_KL = PGParams(advantage="ref_kl", trust_region="one_sided", kl_tau=1e-3)
+"""Sampled-token (on-policy) distillation: reverse KL to the reference as advantage, one-sided region
+at 0.2 (prime-rl's ref_kl loss)."""
 
 
-def _ref(inputs: LossInputs, why: str) -> Tensor:
+def _ref(inputs, why: str) -> Tensor:
     if inputs.ref_logprobs is None:
         raise ValueError(f"{why} needs ref_logprobs, got None")
     return upcast(inputs.ref_logprobs.detach())
 
 
-def _advantage(inputs: LossInputs, params: PGParams, trn: Tensor, m: Tensor) -> Tensor:
+def _advantage(inputs, params: PGParams, trn: Tensor, m: Tensor) -> Tensor:
     """The raw advantage ``A [N]``, zero off the mask, never carrying a gradient."""
     if params.advantage == "ref_kl":
         return torch.where(m, _ref(inputs, "advantage='ref_kl'") - trn.detach(), 0.0)
@@ -209,7 +215,7 @@ def _ppo_surrogate(params: PGParams, ratio: Tensor, a: Tensor) -> Tensor:
     return surrogate
 
 
-def _gspo_ratio(inputs: LossInputs, trn: Tensor, log_r: Tensor, m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _gspo_ratio(inputs, trn: Tensor, log_r: Tensor, m: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     """``(s_t [N], s_i [S], has_members [S])``: the sequence ratio in token form."""
     seq_log_r, count = segment_mean(log_r.detach(), m, inputs.seq_ids, inputs.num_seqs)  # [S]
     seq_ratio = torch.exp(seq_log_r)  # [S]
@@ -218,10 +224,12 @@ def _gspo_ratio(inputs: LossInputs, trn: Tensor, log_r: Tensor, m: Tensor) -> tu
     return token_ratio, seq_ratio, count > 0
 
 
-def pg_loss(inputs: LossInputs, params: PGParams) -> LossOutputs:
-    """The skeleton's summed loss over the members of ``inputs.loss_mask`` and its metrics.
+def pg_loss(inputs: ComponentInputs, params: PGParams) -> ComponentOutput:
+    """The objective's per-token loss ``[N]`` over the members of ``inputs.loss_mask`` and its metrics.
 
-    Shapes: every stream ``[N]``; returns a scalar loss (at least float32, see ``upcast``) and metrics
+    ``inputs`` is a :class:`~packloss.core.components.ComponentInputs` or anything with its fields
+    (prime-rl's ``LossInputs``). Shapes: every stream ``[N]``; returns the per-token loss (at least
+    float32, zero off the members; weights are not applied) and metrics
     (scalars, or ``[S]`` with ``per_sequence_metrics``), unweighted means over the members:
 
     * ``masked_mismatch_kl`` / ``unmasked_mismatch_kl``: ``r − log_r − 1`` over dropped / kept members;
@@ -231,8 +239,6 @@ def pg_loss(inputs: LossInputs, params: PGParams) -> LossOutputs:
     * PPO clip, CISPO, GSPO: ``clip_frac_low``/``_high`` (and ``dual_clip_frac``);
     * GSPO: ``seq_ratio_mean``/``_min``/``_max`` over sequences with members;
     * advantage ``ref_kl``: ``ref_kl`` (mean ``ref − trn``); ``ref_kl_coef``: ``ref_kl_penalty``.
-
-    All names carry ``params.metric_prefix``.
     """
     m = inputs.loss_mask  # [N] bool
     trn = upcast(inputs.trainer_logprobs)  # [N]
@@ -270,9 +276,6 @@ def pg_loss(inputs: LossInputs, params: PGParams) -> LossOutputs:
         named_extra["ref_kl_penalty"] = (penalty, m)
     if params.tis_cap is not None:
         per_token = per_token * r.detach().clamp_max(params.tis_cap)
-    if inputs.loss_weights is not None:
-        per_token = per_token * torch.where(m, upcast(inputs.loss_weights), 0.0)
-    loss = per_token.sum()
 
     is_masked = regions["is_masked"]
     log_r_d = log_r.detach()
@@ -290,13 +293,13 @@ def pg_loss(inputs: LossInputs, params: PGParams) -> LossOutputs:
     if params.advantage == "ref_kl":
         named["ref_kl"] = (adv, m)
     named.update(named_extra)
-    out = make_outputs(inputs, loss, named, params.metric_prefix)
+    out = outputs_from_named(inputs, per_token, named)
     if seq_stats is not None:
-        _add_seq_ratio_metrics(out, inputs, *seq_stats, params.metric_prefix)
+        _add_seq_ratio_metrics(out, inputs, *seq_stats)
     return out
 
 
-def _add_seq_ratio_metrics(out: LossOutputs, inputs: LossInputs, seq_ratio: Tensor, has_members: Tensor, prefix: str):
+def _add_seq_ratio_metrics(out: ComponentOutput, inputs, seq_ratio: Tensor, has_members: Tensor) -> None:
     """GSPO's ``seq_ratio_mean``/``_min``/``_max`` over the sequences with members (counts: sequences).
 
     Per sequence they are ``s_i`` itself. ``_min``/``_max`` merge by min/max (see :mod:`packloss.metrics`).
@@ -314,6 +317,5 @@ def _add_seq_ratio_metrics(out: LossOutputs, inputs: LossInputs, seq_ratio: Tens
             "seq_ratio_max": torch.where(has_members, s, float("-inf")).amax().where(n_seqs > 0, 0.0),
         }
         counts = dict.fromkeys(stats, n_seqs)
-    for name, value in stats.items():
-        out.metrics[prefix + name] = value
-        out.counts[prefix + name] = counts[name]
+    out.metrics.update(stats)
+    out.counts.update(counts)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from packloss.segments import broadcast, segment_sum
+from packloss.core.segments import broadcast, segment_sum
 
 __all__ = ["group_advantages"]
 

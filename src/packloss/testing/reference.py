@@ -3,24 +3,20 @@
 Written for clarity, not speed: a Python loop over the packed sequences, each component called once
 per sequence with boolean-mask indexing, ``mask.any()`` skips (host syncs), and per-sequence metrics
 stacked at the end. It is the ground truth of the equivalence tests and the "before" column of
-``packloss bench``. The per-token formulas are spelled out here independently of :mod:`packloss.pg`.
+``packloss bench``. It imports nothing from the code it checks: the per-token formulas, the inputs
+container and the config dispatch are spelled out here independently of :mod:`packloss.core` and
+:mod:`packloss.compat`.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
-
-from packloss.compat.prime_rl import (
-    CustomLossConfig,
-    DefaultLossConfig,
-    IPOLossConfig,
-    LossConfig,
-    import_object,
-)
-from packloss.component import LossFn, LossInputs, LossOutputs
 
 __all__ = [
     "default_loss_fn",
@@ -29,7 +25,40 @@ __all__ = [
     "ce_loss_fn",
     "setup_rl_loss_fn",
     "compute_loss",
+    "LossInputs",
+    "LossOutputs",
 ]
+
+
+@dataclass
+class LossInputs:
+    """One sequence's streams as prime-rl passed them (``seq_ids`` etc.: one sequence)."""
+
+    trainer_logprobs: Tensor
+    inference_logprobs: Tensor
+    ref_logprobs: Tensor | None
+    advantages: Tensor | None
+    loss_mask: Tensor
+    loss_weights: Tensor | None = None
+    seq_ids: Tensor | None = None
+    cu_seqlens: Tensor | None = None
+    num_seqs: int = 1
+
+    def __post_init__(self) -> None:
+        if self.seq_ids is None:
+            n = self.trainer_logprobs.shape[0]
+            self.seq_ids = torch.zeros(n, dtype=torch.long)
+            self.cu_seqlens = torch.tensor([0, n], dtype=torch.int32)
+
+
+@dataclass
+class LossOutputs:
+    loss: Tensor
+    metrics: dict[str, Tensor]
+    counts: dict[str, Tensor] = field(default_factory=dict)
+
+
+LossFn = Callable[[LossInputs], LossOutputs]
 
 
 def _safe_mean(values: Tensor, mask: Tensor) -> Tensor:
@@ -51,7 +80,7 @@ def _per_token(inputs: LossInputs, keep: Tensor, adv: Tensor, ratio: Tensor, log
     return per_token_loss.sum()
 
 
-def default_loss_fn(inputs: LossInputs, loss_config: DefaultLossConfig) -> LossOutputs:
+def default_loss_fn(inputs: LossInputs, loss_config: Any) -> LossOutputs:
     """DPPO: drop A>0 tokens whose probability rose by more than ``dppo_mask_high``, A≤0 tokens whose
     probability fell by more than ``dppo_mask_low``; squared-log-ratio KL on every member."""
     log_ratio, ratio, mismatch_kl = _ratio(inputs)
@@ -76,7 +105,7 @@ def default_loss_fn(inputs: LossInputs, loss_config: DefaultLossConfig) -> LossO
     )
 
 
-def ipo_loss_fn(inputs: LossInputs, loss_config: IPOLossConfig) -> LossOutputs:
+def ipo_loss_fn(inputs: LossInputs, loss_config: Any) -> LossOutputs:
     """IPO: drop tokens whose probability moved by more than ``ipo_threshold`` either way."""
     log_ratio, ratio, mismatch_kl = _ratio(inputs)
     mask = inputs.loss_mask
@@ -128,12 +157,14 @@ def ce_loss_fn(inputs: LossInputs) -> LossOutputs:
     )
 
 
-def setup_rl_loss_fn(loss_config: LossConfig) -> LossFn:
-    """The per-sequence rl loss function for a prime-rl loss config."""
-    if isinstance(loss_config, CustomLossConfig):
-        custom_fn = import_object(loss_config.import_path)
+def setup_rl_loss_fn(loss_config: Any) -> LossFn:
+    """The per-sequence rl loss function for a prime-rl loss config (custom: ``import_path``; IPO:
+    ``ipo_threshold``; else DPPO)."""
+    if hasattr(loss_config, "import_path"):
+        module_name, _, attr = loss_config.import_path.replace(":", ".").rpartition(".")
+        custom_fn = getattr(importlib.import_module(module_name), attr)
         return lambda inputs: custom_fn(inputs, **loss_config.kwargs)
-    if isinstance(loss_config, IPOLossConfig):
+    if hasattr(loss_config, "ipo_threshold"):
         return lambda inputs: ipo_loss_fn(inputs, loss_config)
     return lambda inputs: default_loss_fn(inputs, loss_config)
 
