@@ -1,4 +1,5 @@
-"""Normalisation modes: the step's gradient is invariant to packing, order and data-parallel split."""
+"""Normalisation: every mode for every component kind equals a hand-written formula, and the step's
+gradient is invariant to packing, order and data-parallel split."""
 
 from __future__ import annotations
 
@@ -7,141 +8,281 @@ import random
 import pytest
 import torch
 
-from packloss import PackedBatch, PGParams, compute_loss
-from packloss.normalize import count_denominators
+from packloss import (
+    DPPO,
+    REF_KL,
+    SFT,
+    Component,
+    ComponentOutput,
+    Entropy,
+    Normalize,
+    Outputs,
+    PGParams,
+    Plan,
+    compute_loss,
+    count_denominators,
+)
+from packloss.compat.prime_rl import DefaultLossConfig
 from packloss.testing import OpCounter, make_archetype, run_gloo
+from packloss.testing import reference as ref_impl
 
-MODES = ("token", "position", "sequence_mean", "sequence_sum", "constant")
-CONSTANT = {"rl_scale": 500.0, "ce_scale": 40.0, "ref_kl_scale": 300.0}
-OBJECTIVES = {"dppo": PGParams(), "gspo": PGParams(trust_region="gspo", clip_low=0.2, clip_high=0.2)}
-REF_KL_COMPONENT = PGParams(advantage="ref_kl", trust_region="ppo_clip", metric_prefix="ref_kl/")
+MODES = [m.value for m in Normalize]
+CONSTANT = 37.0
+LENS = [7, 1, 12, 5, 9, 3, 15, 2, 8, 6, 11, 4]
+GROUPS = [0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]  # group 3's last sequences are all-masked for some kinds
 
 
-def step_streams(seed: int = 0):
-    """A step of 12 sequences with rl, ce and ref_kl components (some sequences all-masked)."""
-    lens = [7, 1, 12, 5, 9, 3, 15, 2, 8, 6, 11, 4]
-    base = make_archetype("sdft", lens, seed=seed)
+def step(dtype: torch.dtype = torch.float32, seed: int = 0) -> dict:
+    """A step of 12 sequences: streams [N], per-kind member masks and weights (some sequences empty)."""
+    base = make_archetype("sdft", LENS, seed=seed, dtype=dtype)
+    n = base.num_tokens
     g = torch.Generator().manual_seed(seed)
-    ce = (~base.loss_mask & (torch.rand(base.num_tokens, generator=g) < 0.5)).float() * 0.3
-    seq_ids = base.seq_ids
-    rl_weights = torch.where(seq_ids == 3, 0.0, torch.rand(base.num_tokens, generator=g) + 0.5)
-    theta = base.trainer_logprobs.detach().clone().requires_grad_()
-    streams = dict(
-        inference_logprobs=base.inference_logprobs,
-        loss_mask=base.loss_mask,
-        advantages=base.advantages,
-        ref_logprobs=base.ref_logprobs,
-        rl_weights=rl_weights,
-        ce_weights=ce,
-        ref_kl_weights=base.ref_kl_weights,
+    seq_ids = torch.repeat_interleave(torch.arange(len(LENS)), torch.tensor(LENS))
+    masks = {
+        "rl": base.loss_mask & (seq_ids != 3),
+        "sft": ~base.loss_mask & (torch.rand(n, generator=g) < 0.5),
+        "distill": base.ref_kl_weights != 0,
+        "entropy": base.loss_mask,
+        "custom": base.loss_mask & (seq_ids % 2 == 0),
+    }
+    weights = (torch.rand(n, generator=g) + 0.5).to(dtype)
+    return dict(
+        theta=base.trainer_logprobs.detach().clone().requires_grad_(),
+        entropy=torch.rand(n, generator=g, dtype=torch.float64).to(dtype).requires_grad_(),
+        inference=base.inference_logprobs,
+        ref=base.ref_logprobs,
+        adv=base.advantages,
+        masks=masks,
+        weights=weights,
+        seq_ids=seq_ids,
     )
-    return theta, streams, lens
 
 
-def micro_batches(theta, streams, lens, order, num_bins):
-    """Pack the sequences in ``order`` into ``num_bins`` bins; trainer log-probs gather from ``theta``."""
-    starts = [sum(lens[:i]) for i in range(len(lens))]
-    chunks = [order[i::num_bins] for i in range(num_bins)]
-    bins = []
-    for chunk in chunks:
-        index = torch.cat([torch.arange(starts[s], starts[s] + lens[s]) for s in chunk])
-        bins.append(
-            PackedBatch(
-                trainer_logprobs=theta.index_select(0, index),
-                seq_lens=[lens[s] for s in chunk],
-                **{k: v.index_select(0, index) for k, v in streams.items()},
-            )
-        )
-    return bins
+def _custom(inputs):
+    """A custom component: ℓ_t = trn_t² (any per-token function)."""
+    return ComponentOutput(per_token=inputs.trainer_logprobs**2)
 
 
-def step_gradient(bins, theta, mode, rl):
-    scales = CONSTANT if mode == "constant" else count_denominators(bins).scales(mode)
-    total = sum(compute_loss(b, rl, normalize=mode, ref_kl=REF_KL_COMPONENT, **scales).loss for b in bins)
-    (grad,) = torch.autograd.grad(total, theta, retain_graph=True)
-    return grad
+KINDS = {"rl": DPPO, "sft": SFT(), "distill": REF_KL, "entropy": Entropy(0.3), "custom": _custom}
+
+
+def _sequence_sums(kind: str, s: dict, weighted: bool) -> list[torch.Tensor]:
+    """Σ_{t∈s} w_t ℓ_t for every sequence, from the per-sequence reference or the definition."""
+    out = []
+    offsets = [sum(LENS[:i]) for i in range(len(LENS))]
+    for start, n in zip(offsets, LENS, strict=True):
+        sl = slice(start, start + n)
+        m = s["masks"][kind][sl]
+        w = s["weights"][sl] if weighted else torch.ones(n, dtype=s["weights"].dtype)
+        trn = s["theta"][sl]
+        if kind in ("rl", "distill"):
+            inputs = ref_impl.LossInputs(trn, s["inference"][sl], s["ref"][sl], s["adv"][sl], m, w)
+            fn = ref_impl.ref_kl_loss_fn if kind == "distill" else (lambda i: ref_impl.default_loss_fn(i, DefaultLossConfig()))
+            out.append(fn(inputs).loss)
+        elif kind == "sft":
+            out.append(torch.where(m, -trn * w, 0.0).sum())
+        elif kind == "entropy":
+            out.append(torch.where(m, -0.3 * s["entropy"][sl] * w, 0.0).sum())
+        else:
+            out.append(torch.where(m, trn**2 * w, 0.0).sum())
+    return out
+
+
+def hand_formula(kind: str, mode: str, s: dict, weighted: bool) -> torch.Tensor:
+    """The component's term written out from the mode's definition."""
+    sums = _sequence_sums(kind, s, weighted)
+    members = [int(m.sum()) for m in torch.split(s["masks"][kind], LENS)]
+    total = sum(sums)
+    if mode == "token":
+        return total / max(sum(members), 1)
+    if mode == "position":
+        return total / sum(LENS)
+    if mode == "constant":
+        return total / CONSTANT
+    with_members = [i for i, k in enumerate(members) if k > 0]
+    if mode == "sequence_sum":
+        return total / max(len(with_members), 1)
+    if mode == "sequence_mean":
+        return sum(sums[i] / members[i] for i in with_members) / max(len(with_members), 1)
+    group_members = {g: 0 for g in GROUPS}
+    group_sums = {g: 0.0 for g in GROUPS}
+    for i, g in enumerate(GROUPS):
+        group_members[g] += members[i]
+        group_sums[g] = group_sums[g] + sums[i]
+    live = [g for g in group_members if group_members[g] > 0]
+    return sum(group_sums[g] / group_members[g] for g in live) / max(len(live), 1)
+
+
+def plan_of(kind: str, mode: str, s: dict, weighted: bool, index: torch.Tensor | None = None, lens=LENS, groups=GROUPS):
+    pick = (lambda t: t) if index is None else (lambda t: t.index_select(0, index))
+    comp = Component(
+        KINDS[kind],
+        mask=pick(s["masks"][kind]),
+        weights=pick(s["weights"]) if weighted else None,
+        normalize=mode,
+        constant=CONSTANT if mode == "constant" else None,
+    )
+    plan = Plan(
+        list(lens), {kind: comp}, inference_logprobs=pick(s["inference"]), ref_logprobs=pick(s["ref"]),
+        advantages=pick(s["adv"]), group_ids=list(groups),
+    )  # fmt: skip
+    return plan, Outputs(logprobs=pick(s["theta"]), entropy=pick(s["entropy"]))
+
+
+@pytest.mark.parametrize("dtype, rtol", [(torch.float32, 1e-6), (torch.float64, 1e-12)], ids=["f32", "f64"])
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_mode_equals_its_hand_formula(kind, mode, weighted, dtype, rtol):
+    s = step(dtype)
+    plan, outputs = plan_of(kind, mode, s, weighted)
+    expected = hand_formula(kind, mode, s, weighted)
+    assert abs(float(expected.detach())) > 0
+    for denominators in (None, count_denominators([plan])):
+        got = compute_loss(plan, outputs, denominators).loss
+        assert got.dtype == dtype
+        assert torch.allclose(got, expected.to(got.dtype), rtol=rtol, atol=0), (float(got), float(expected))
+
+
+def test_wrong_variants_fail_the_formula():
+    """The hand formula can fail: dividing by sequence length, or positions by member count, differ."""
+    s = step(torch.float64)
+    sums = _sequence_sums("rl", s, True)
+    members = [int(m.sum()) for m in torch.split(s["masks"]["rl"], LENS)]
+    live = [i for i, k in enumerate(members) if k > 0]
+    by_length = sum(sums[i] / LENS[i] for i in live) / len(live)
+    assert not torch.isclose(by_length, hand_formula("rl", "sequence_mean", s, True), rtol=1e-6)
+    by_members = sum(sums) / sum(members)
+    assert not torch.isclose(by_members, hand_formula("rl", "position", s, True), rtol=1e-6)
+
+
+def micro_batches(kind, mode, s, order, num_bins):
+    """Sequences in ``order`` dealt into ``num_bins`` plans; trainer log-probs gather from ``theta``."""
+    starts = [sum(LENS[:i]) for i in range(len(LENS))]
+    out = []
+    for chunk in (order[i::num_bins] for i in range(num_bins)):
+        index = torch.cat([torch.arange(starts[q], starts[q] + LENS[q]) for q in chunk])
+        lens, groups = [LENS[q] for q in chunk], [GROUPS[q] for q in chunk]
+        out.append(plan_of(kind, mode, s, True, index, lens, groups))
+    return out
+
+
+def step_gradient(parts, s, num_groups=None):
+    den = count_denominators([p for p, _ in parts], num_groups=num_groups)
+    total = sum(compute_loss(p, o, den).loss for p, o in parts)
+    return torch.autograd.grad(total, [s["theta"], s["entropy"]], retain_graph=True, allow_unused=True)
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
-def test_gradient_invariant_to_packing_and_order(mode, objective):
-    theta, streams, lens = step_streams()
+@pytest.mark.parametrize("kind", ["rl", "distill", "entropy"])
+def test_gradient_invariant_to_packing_and_order(kind, mode):
+    s = step(torch.float64)
     rng = random.Random(0)
-    one_bin = micro_batches(theta, streams, lens, list(range(len(lens))), 1)
-    reference = step_gradient(one_bin, theta, mode, OBJECTIVES[objective])
-    assert reference.abs().sum() > 0
-    for num_bins in (1, 2, 4):
-        order = list(range(len(lens)))
+    which = 1 if kind == "entropy" else 0  # the gradient of the stream the component reads
+    whole = step_gradient(micro_batches(kind, mode, s, list(range(len(LENS))), 1), s)[which]
+    assert whole.abs().sum() > 0
+    for num_bins in (2, 4):
+        order = list(range(len(LENS)))
         rng.shuffle(order)
-        grad = step_gradient(micro_batches(theta, streams, lens, order, num_bins), theta, mode, OBJECTIVES[objective])
-        assert torch.allclose(grad, reference, rtol=1e-6, atol=1e-8), (num_bins, (grad - reference).abs().max())
+        grad = step_gradient(micro_batches(kind, mode, s, order, num_bins), s, num_groups=4)[which]
+        assert torch.allclose(grad, whole, rtol=1e-12, atol=1e-15), (num_bins, (grad - whole).abs().max())
 
 
 def test_naive_per_micro_batch_token_mean_is_not_invariant():
     """Local denominators (each micro-batch's own token mean, averaged) change with the packing."""
-    theta, streams, lens = step_streams()
+    s = step(torch.float64)
     grads = []
     for num_bins in (1, 4):
-        bins = micro_batches(theta, streams, lens, list(range(len(lens))), num_bins)
-        total = sum(compute_loss(b, normalize="token").loss for b in bins) / num_bins
-        grads.append(torch.autograd.grad(total, theta)[0])
+        parts = micro_batches("rl", "token", s, list(range(len(LENS))), num_bins)
+        total = sum(compute_loss(p, o).loss for p, o in parts) / num_bins
+        grads.append(torch.autograd.grad(total, s["theta"])[0])
     assert not torch.allclose(grads[0], grads[1], rtol=1e-3, atol=1e-6)
 
 
 def _dp_worker(rank, world_size):
-    """This rank's share of a 4-bin step, for every objective and mode; counts the all-reduces."""
-    theta, streams, lens = step_streams()
-    bins = micro_batches(theta, streams, lens, list(range(len(lens))), 4)
-    mine = bins[rank::world_size]
-    with OpCounter() as counter:
-        denominators = count_denominators(mine, all_reduce=True)
-    grads = {}
-    for objective, rl in OBJECTIVES.items():
-        for mode in MODES:
-            scales = CONSTANT if mode == "constant" else denominators.scales(mode)
-            total = sum(compute_loss(b, rl, normalize=mode, ref_kl=REF_KL_COMPONENT, **scales).loss for b in mine)
-            grads[objective, mode] = torch.autograd.grad(total, theta, retain_graph=True)[0]
-    all_reduces = sum(n for op, n in counter.ops.items() if "allreduce" in op)
+    """This rank's share of a 4-bin step for every mode; counts the all-reduces."""
+    s = step(torch.float64)
+    grads, all_reduces = {}, []
+    for mode in MODES:
+        parts = micro_batches("rl", mode, s, list(range(len(LENS))), 4)[rank::world_size]
+        with OpCounter() as counter:
+            den = count_denominators([p for p, _ in parts], all_reduce=True, num_groups=4)
+        all_reduces.append(sum(n for op, n in counter.ops.items() if "allreduce" in op))
+        total = sum(compute_loss(p, o, den).loss for p, o in parts)
+        grads[mode] = torch.autograd.grad(total, s["theta"])[0]
     return grads, all_reduces
 
 
 def test_gradient_invariant_to_data_parallel_split():
     ranks = run_gloo(_dp_worker, world_size=2, timeout=240)
-    assert [all_reduces for _, all_reduces in ranks] == [1, 1]  # one all_reduce counts the whole step
-    theta, streams, lens = step_streams()
-    one_bin = micro_batches(theta, streams, lens, list(range(len(lens))), 1)
-    for objective, rl in OBJECTIVES.items():
-        for mode in MODES:
-            single = step_gradient(one_bin, theta, mode, rl)
-            split = ranks[0][0][objective, mode] + ranks[1][0][objective, mode]
-            assert torch.allclose(split, single, rtol=1e-6, atol=1e-8), (objective, mode)
+    for _, all_reduces in ranks:
+        assert all_reduces == [1] * len(MODES)  # one all_reduce counts the whole step
+    s = step(torch.float64)
+    for mode in MODES:
+        (single, _) = step_gradient(micro_batches("rl", mode, s, list(range(len(LENS))), 1), s)
+        split = ranks[0][0][mode] + ranks[1][0][mode]
+        assert torch.allclose(split, single, rtol=1e-12, atol=1e-15), mode
 
 
 def test_count_denominators_counts():
-    a = make_archetype("echo", [4, 1, 6], seed=1)
-    b = make_archetype("hot", [3, 5], seed=2)
-    d = count_denominators([a, b])
-    rl_tokens = a.loss_mask.sum() + b.loss_mask.sum()
-    assert d.scale("rl", "token") == rl_tokens
-    assert d.scale("ce", "token") == (a.ce_weights != 0).sum()
-    assert d.scale("rl", "position") == d.scale("ce", "position") == 19
-    seqs = sum(int(m.any()) for bt in (a, b) for m in torch.split(bt.loss_mask, list(bt.seq_lens)))
-    assert d.scale("rl", "sequence_mean") == d.scale("rl", "sequence_sum") == seqs
-    assert d.scale("ref_kl", "token") == 1  # absent component: clamped to 1
-    with pytest.raises(ValueError, match="constant"):
-        d.scale("rl", "constant")
+    s = step()
+    plans = [p for p, _ in micro_batches("rl", "token", s, list(range(len(LENS))), 2)]
+    d = count_denominators(plans)
+    assert d.denominator("rl").item() == s["masks"]["rl"].sum().item()
+    pos = [p for p, _ in micro_batches("rl", "position", s, list(range(len(LENS))), 2)]
+    assert count_denominators(pos).denominator("rl").item() == sum(LENS)
+    seq = [p for p, _ in micro_batches("rl", "sequence_mean", s, list(range(len(LENS))), 2)]
+    live = sum(int(m.any()) for m in torch.split(s["masks"]["rl"], LENS))
+    assert count_denominators(seq).denominator("rl").item() == live
+    grp = [p for p, _ in micro_batches("rl", "group_mean", s, list(range(len(LENS))), 2)]
+    d = count_denominators(grp)
+    assert d.counts["rl"].tolist() == [
+        float(sum(int(m.sum()) for m, g in zip(torch.split(s["masks"]["rl"], LENS), GROUPS, strict=True) if g == k))
+        for k in range(4)
+    ]
     with OpCounter() as counter:
-        count_denominators([a, b])
+        count_denominators(plans)
     assert counter.num_syncs == 0
 
 
+def test_denominators_carry_their_mode():
+    s = step()
+    token_plan, outputs = plan_of("rl", "token", s, True)
+    seq_plan, _ = plan_of("rl", "sequence_mean", s, True)
+    with pytest.raises(ValueError, match=r"normalises with normalize='token' but .* counted for normalize='sequence_mean'"):
+        compute_loss(token_plan, outputs, count_denominators([seq_plan]))
+    other = Plan(LENS, {"sft": Component(SFT(), mask=s["masks"]["sft"])})
+    with pytest.raises(ValueError, match="no component 'rl'"):
+        compute_loss(token_plan, outputs, count_denominators([other]))
+    c1, _ = plan_of("rl", "constant", s, True)
+    c2 = Plan(LENS, {"rl": Component(DPPO, mask=s["masks"]["rl"], normalize="constant", constant=2.0)},
+              inference_logprobs=s["inference"], advantages=s["adv"])  # fmt: skip
+    with pytest.raises(ValueError, match="constant=2.0"):
+        compute_loss(c1, outputs, count_denominators([c2]))
+    with pytest.raises(ValueError, match="normalises with"):
+        count_denominators([token_plan, seq_plan])
+
+
 def test_normalize_errors():
-    batch = make_archetype("hot", [4, 3])
-    with pytest.raises(ValueError, match="normalize\\['rl'\\] must be one of"):
-        compute_loss(batch, normalize="mean")
-    with pytest.raises(ValueError, match="needs rl_scale"):
-        compute_loss(batch, normalize="constant")
-    with pytest.raises(ValueError, match="unknown component"):
-        compute_loss(batch, normalize={"policy": "token"})
+    s = step()
+    m = s["masks"]["rl"]
+    with pytest.raises(ValueError, match="normalize must be one of"):
+        Component(SFT(), mask=m, normalize="mean")
     with pytest.raises(TypeError, match="normalize must be"):
-        compute_loss(batch, normalize=1)
+        Component(SFT(), mask=m, normalize=1)
+    with pytest.raises(ValueError, match="needs constant="):
+        Component(SFT(), mask=m, normalize="constant")
+    with pytest.raises(ValueError, match="constant must be a finite number > 0"):
+        Component(SFT(), mask=m, normalize="constant", constant=float("inf"))
+    with pytest.raises(ValueError, match="constant is only used"):
+        Component(SFT(), mask=m, constant=3.0)
+    with pytest.raises(ValueError, match="group_ids"):
+        Plan(LENS, {"sft": Component(SFT(), mask=m, normalize="group_mean")})
+    plan, _ = plan_of("rl", "group_mean", s, True)
+    with pytest.raises(ValueError, match="num_groups"):
+        count_denominators([plan], all_reduce=True)
+    with pytest.raises(ValueError, match="modes="):
+        count_denominators([])
+    assert Normalize("group_mean") is Normalize.GROUP_MEAN
+    assert [m.value for m in Normalize] == MODES
+    _ = PGParams  # the objective class is exported alongside the modes
