@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import CONFIGS, as_lists, bin_of, scales
-from packloss import reference
+from conftest import CONFIGS, bin_of
 from packloss.compat import prime_rl
 from packloss.compat.prime_rl import CustomLossConfig
 from packloss.testing import ARCHETYPES
+from packloss.testing import reference
 
 DPPO_KEYS = {
     "masked_mismatch_kl",
@@ -35,7 +35,7 @@ def expected_keys(config_name: str, batch) -> set[str]:
 
 def run_both(batch, new_fn, ref_fn):
     trn = batch.trainer_logprobs
-    kwargs = dict(**as_lists(batch), **scales(batch))
+    kwargs = dict(**batch.lists(), **batch.integer_scales())
     loss_new, metrics_new = prime_rl.compute_loss(**kwargs, rl_loss_fn=new_fn)
     (grad_new,) = torch.autograd.grad(loss_new, trn)
     loss_ref, metrics_ref = reference.compute_loss(**kwargs, rl_loss_fn=ref_fn)
@@ -121,7 +121,8 @@ def test_non_additive_custom_loss_differs_and_layout_fixes_it():
 def test_constant_custom_loss_is_still_backward_able():
     config = CustomLossConfig(import_path="custom_losses.constant_loss")
     batch = bin_of("dummy")
-    loss, _ = prime_rl.compute_loss(**as_lists(batch), **scales(batch), rl_loss_fn=prime_rl.setup_rl_loss_fn(config))
+    kwargs = dict(**batch.lists(), **batch.integer_scales())
+    loss, _ = prime_rl.compute_loss(**kwargs, rl_loss_fn=prime_rl.setup_rl_loss_fn(config))
     loss.backward()
     assert torch.equal(batch.trainer_logprobs.grad, torch.zeros_like(batch.trainer_logprobs))
 
@@ -138,8 +139,18 @@ def test_setup_rl_loss_fn_rejects_bad_config():
 def test_default_configs_match_prime_rl():
     assert prime_rl.DefaultLossConfig() == prime_rl.DefaultLossConfig(0.2, 0.2, 1.0, 1e-3)
     assert prime_rl.IPOLossConfig().ipo_threshold == 0.1
-    params = prime_rl.setup_rl_loss_fn(prime_rl.DefaultLossConfig())
-    assert (params.trust_region, params.kl_tau, params.adv_tau) == ("dppo", 1e-3, 1.0)
+
+
+@pytest.mark.parametrize("config_name", sorted(CONFIGS))
+def test_configs_are_matched_by_fields_not_by_class(config_name):
+    """A config of another class with the same fields (prime-rl's own pydantic models) works."""
+    config = CONFIGS[config_name]
+    foreign = type("DefaultLossConfig", (), {k: getattr(config, k) for k in config.__dataclass_fields__})()
+    batch = bin_of("weighted_grpo", seed=2)
+    (_, _, grad), (_, _, grad_ref) = run_both(
+        batch, prime_rl.setup_rl_loss_fn(foreign), reference.setup_rl_loss_fn(config)
+    )
+    assert torch.equal(grad, grad_ref)
 
 
 def test_selective_log_softmax_and_entropy():

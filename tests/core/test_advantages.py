@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from packloss.advantages import group_advantages
+from packloss.core.advantages import group_advantages
 from packloss.testing import OpCounter
 
 

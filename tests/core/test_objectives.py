@@ -3,7 +3,6 @@ from its paper formula with plain autograd, over hypothesis-drawn packings; NaN 
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -11,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import bin_of, poison_non_members
-from packloss import LossInputs, PackedBatch, PGParams, compute_loss, pg_loss
+from packloss import Component, Outputs, PGParams, Plan, compute_loss
 from packloss.testing import OpCounter
 
 OBJECTIVES = {
@@ -104,13 +103,14 @@ def test_objective_matches_paper_reference(name, case):
     params = OBJECTIVES[name]
     lens, seed, empty, weighted = case
     trn, inf, ref, adv, mask, weights = draw_bin(*case)
-    batch = PackedBatch(trn, inf, mask, lens, advantages=adv, ref_logprobs=ref, rl_weights=weights)
-    members = batch.component_masks()["rl"]
-    result = compute_loss(batch, params, rl_scale=1)
+    plan = Plan(lens, {"rl": Component(params, mask, weights, "constant", 1.0)}, inf, ref, adv)
+    members = plan.members["rl"]
+    result = compute_loss(plan, Outputs(logprobs=trn))
     (grad,) = torch.autograd.grad(result.loss, trn)
 
     expected = trn.sum() * 0
-    for start, end in zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist(), strict=True):
+    cu = plan.layout.cu_seqlens.tolist()
+    for start, end in zip(cu[:-1], cu[1:], strict=True):
         sel = members[start:end]
         if not sel.any():
             continue
@@ -127,12 +127,13 @@ def test_clip_metrics_count_what_they_claim():
     r = torch.tensor([0.5, 0.9, 1.5, 1.1, 5.0, 0.7])
     a = torch.tensor([-1.0, -1.0, 1.0, 1.0, -1.0, 1.0])
     trn = torch.zeros(6, requires_grad=True)
-    inputs = LossInputs(trn, -r.log(), None, a, torch.ones(6, dtype=torch.bool))
-    out = pg_loss(inputs, PGParams(trust_region="ppo_clip", clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, kl_tau=0))
-    assert out.metrics["clip_frac_low"].item() == pytest.approx(1 / 6)  # r=0.5, A<0
-    assert out.metrics["clip_frac_high"].item() == pytest.approx(1 / 6)  # r=1.5, A>0
-    assert out.metrics["dual_clip_frac"].item() == pytest.approx(1 / 6)  # r=5, A<0
-    assert out.metrics["is_masked"].item() == pytest.approx(3 / 6)
+    params = PGParams(trust_region="ppo_clip", clip_low=0.2, clip_high=0.28, dual_clip_c=3.0, kl_tau=0)
+    plan = Plan([6], {"rl": Component(params, mask=torch.ones(6, dtype=torch.bool))}, -r.log(), advantages=a)
+    out = compute_loss(plan, Outputs(logprobs=trn))
+    assert out.metrics["rl/clip_frac_low"].item() == pytest.approx(1 / 6)  # r=0.5, A<0
+    assert out.metrics["rl/clip_frac_high"].item() == pytest.approx(1 / 6)  # r=1.5, A>0
+    assert out.metrics["rl/dual_clip_frac"].item() == pytest.approx(1 / 6)  # r=5, A<0
+    assert out.metrics["rl/is_masked"].item() == pytest.approx(3 / 6)
     out.loss.backward()
     assert torch.equal(trn.grad[[0, 2, 4]], torch.zeros(3))  # clipped tokens carry no gradient
     assert (trn.grad[[1, 3, 5]] != 0).all()
@@ -142,15 +143,17 @@ def test_gspo_sequence_ratio_metrics():
     lens = [3, 2, 4]
     log_r = torch.tensor([0.1, 0.2, 0.3, -0.4, -0.2, 0.0, 0.0, 0.0, 0.0])
     mask = torch.tensor([1, 1, 1, 1, 1, 0, 0, 0, 0], dtype=torch.bool)  # third sequence has no members
-    batch = PackedBatch(log_r - 1, torch.full((9,), -1.0), mask, lens, advantages=torch.ones(9))
-    out = compute_loss(batch, PGParams(trust_region="gspo"))
+    plan = Plan(lens, {"rl": Component(PGParams(trust_region="gspo"), mask)}, torch.full((9,), -1.0),
+                advantages=torch.ones(9))  # fmt: skip
+    outputs = Outputs(logprobs=log_r - 1)
+    out = compute_loss(plan, outputs)
     s = torch.tensor([0.2, -0.3]).exp()
-    assert out.metrics["seq_ratio_mean"].item() == pytest.approx(s.mean().item(), rel=1e-6)
-    assert out.metrics["seq_ratio_min"].item() == pytest.approx(s.min().item(), rel=1e-6)
-    assert out.metrics["seq_ratio_max"].item() == pytest.approx(s.max().item(), rel=1e-6)
-    assert out.counts["seq_ratio_mean"].item() == 2
-    per_seq = compute_loss(batch, PGParams(trust_region="gspo"), per_sequence_metrics=True)
-    assert torch.allclose(per_seq.metrics["seq_ratio_mean"][:2], s)
+    assert out.metrics["rl/seq_ratio_mean"].item() == pytest.approx(s.mean().item(), rel=1e-6)
+    assert out.metrics["rl/seq_ratio_min"].item() == pytest.approx(s.min().item(), rel=1e-6)
+    assert out.metrics["rl/seq_ratio_max"].item() == pytest.approx(s.max().item(), rel=1e-6)
+    assert out.counts["rl/seq_ratio_mean"].item() == 2
+    per_seq = compute_loss(plan, outputs, per_sequence_metrics=True)
+    assert torch.allclose(per_seq.metrics["rl/seq_ratio_mean"][:2], s)
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
@@ -158,8 +161,8 @@ def test_objective_is_nan_safe(name):
     params = OBJECTIVES[name]
     clean = bin_of("sdft", seed=2)
     poisoned, _, _ = poison_non_members(clean)
-    rl = dataclasses.replace(params, metric_prefix="rl/")
-    out_clean, out_poisoned = compute_loss(clean, rl), compute_loss(poisoned, rl)
+    out_clean = compute_loss(clean.plan(params), clean.outputs())
+    out_poisoned = compute_loss(poisoned.plan(params), poisoned.outputs())
     (g_clean,) = torch.autograd.grad(out_clean.loss, clean.trainer_logprobs)
     (g_poisoned,) = torch.autograd.grad(out_poisoned.loss, poisoned.trainer_logprobs)
     assert torch.isfinite(g_poisoned).all() and torch.isfinite(out_poisoned.loss)
@@ -169,19 +172,21 @@ def test_objective_is_nan_safe(name):
         assert torch.equal(value, out_poisoned.metrics[key]), key
 
 
-MODES = ("token", "position", "sequence_mean", "sequence_sum", "constant")
+MODES = ("token", "position", "sequence_mean", "sequence_sum", "constant", "group_mean")
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
 @pytest.mark.parametrize("mode", MODES)
 def test_objective_and_mode_sync_free_and_flat(name, mode):
-    params = dataclasses.replace(OBJECTIVES[name], metric_prefix="rl/")
+    params = OBJECTIVES[name]
     totals = set()
     for num_seqs in (1, 16, 256):
-        batch = bin_of("sdft", num_tokens=1024, num_seqs=num_seqs, seed=3)
-        kwargs = {"rl_scale": 1000.0, "ref_kl_scale": 10.0} if mode == "constant" else {}
+        streams = bin_of("sdft", num_tokens=1024, num_seqs=num_seqs, seed=3)
+        constants = {"rl": 1000.0, "ref_kl": 10.0} if mode == "constant" else None
+        groups = [s // 3 for s in range(num_seqs)]
+        plan = streams.plan(params, normalize=mode, constants=constants, group_ids=groups)
         with OpCounter() as counter:
-            compute_loss(batch, params, normalize=mode, per_sequence_metrics=True, **kwargs).loss.backward()
+            compute_loss(plan, streams.outputs(), per_sequence_metrics=True).loss.backward()
         assert counter.num_syncs == 0, counter.syncs
         totals.add(counter.total)
     assert len(totals) == 1, totals
@@ -208,6 +213,6 @@ def test_objective_params_validation(kwargs, match):
 
 
 def test_ref_kl_penalty_needs_reference():
-    batch = bin_of("hot")
-    with pytest.raises(ValueError, match="ref_kl_coef > 0 needs ref_logprobs"):
-        compute_loss(batch, PGParams(ref_kl_coef=0.1))
+    streams = bin_of("hot")
+    with pytest.raises(ValueError, match="'rl' needs the plan's ref_logprobs"):
+        streams.plan(PGParams(ref_kl_coef=0.1))

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from packloss.packing import block_causal_mask, pack_ffd, position_ids, shard_bins
+from packloss.core.packing import block_causal_mask, pack_ffd, position_ids, shard_bins
 
 
 def test_ffd_fits_budget_and_places_every_sequence_once():

@@ -1,4 +1,4 @@
-"""The policy-gradient skeleton against DESIGN.md §2 written out token by token in plain Python."""
+"""The policy-gradient objective against its formula written out token by token in plain Python."""
 
 from __future__ import annotations
 
@@ -7,12 +7,17 @@ import math
 import pytest
 import torch
 
-from packloss import DPPO, IPO, REF_KL, LossInputs, PGParams, pg_loss
-from packloss.ce import ce_loss
+from packloss import DPPO, IPO, REF_KL, SFT, Component, LossResult, Outputs, PGParams, Plan, compute_loss
+
+
+def run(loss, trn, inf, ref, adv, mask, w=None) -> LossResult:
+    """One sequence through the engine with the summed loss (``constant`` 1): ``Σ_t w_t ℓ_t``."""
+    plan = Plan([trn.shape[0]], {"rl": Component(loss, mask, w, "constant", 1.0)}, inf, ref, adv)
+    return compute_loss(plan, Outputs(logprobs=trn))
 
 
 def token_loss(trn, inf, ref, adv, member, w, p: PGParams) -> float:
-    """One token of DESIGN.md §2 in scalar Python (float64)."""
+    """One token of the objective's formula in scalar Python (float64)."""
     if not member:
         return 0.0
     log_r = trn - inf
@@ -52,14 +57,14 @@ def test_pg_loss_matches_scalar_formula(name, weighted):
     mask = torch.rand(n, generator=g) < 0.8
     w = torch.rand(n, generator=g, dtype=torch.float64) * 2 if weighted else None
     trn = trn.requires_grad_()
-    out = pg_loss(LossInputs(trn, inf, ref, adv, mask, w), params)
+    out = run(params, trn, inf, ref, adv, mask, w)
     expected = sum(
         token_loss(trn[i].item(), inf[i].item(), ref[i].item(), adv[i].item(), bool(mask[i]),
                    1.0 if w is None else w[i].item(), params)
         for i in range(n)
     )
     assert out.loss.item() == pytest.approx(expected, rel=1e-5)
-    assert out.metrics[params.metric_prefix + "is_masked"].item() > 0  # the region fires in this data
+    assert out.metrics["rl/is_masked"].item() > 0  # the region fires in this data
 
 
 def test_ref_kl_advantage_is_detached():
@@ -68,7 +73,7 @@ def test_ref_kl_advantage_is_detached():
     inf = torch.tensor([-1.1, -0.5])
     ref = torch.tensor([-0.8, -0.2])
     mask = torch.tensor([True, True])
-    out = pg_loss(LossInputs(trn, inf, ref, None, mask), REF_KL)
+    out = run(REF_KL, trn, inf, ref, None, mask)
     out.loss.backward()
     log_r = (trn - inf).detach()
     expected = -(ref - trn.detach()) * log_r.exp() + 2 * 1e-3 * log_r
@@ -80,23 +85,23 @@ def test_metrics_definitions():
     inf = torch.tensor([-2.0, -0.1, -0.2, -2.0])
     adv = torch.tensor([1.0, -1.0, 1.0, 1.0])
     mask = torch.tensor([True, True, True, False])
-    out = pg_loss(LossInputs(trn, inf, None, adv, mask), DPPO)
+    out = run(DPPO, trn, inf, None, adv, mask)
     # token 0: A>0, dp = e^-0.1 - e^-2 > 0.2 → masked high; token 1: A<0, dp < -0.2 → masked low
-    assert out.metrics["is_masked"].item() == pytest.approx(2 / 3)
-    assert out.metrics["is_masked_high"].item() == pytest.approx(1 / 3)
-    assert out.metrics["is_masked_low"].item() == pytest.approx(1 / 3)
-    assert out.metrics["masked_advantage_positive"].item() == pytest.approx(0.5)
-    assert out.counts["is_masked"].item() == 3
-    assert out.counts["masked_mismatch_kl"].item() == 2
-    assert out.metrics["unmasked_mismatch_kl"].item() == pytest.approx(0.0)
+    assert out.metrics["rl/is_masked"].item() == pytest.approx(2 / 3)
+    assert out.metrics["rl/is_masked_high"].item() == pytest.approx(1 / 3)
+    assert out.metrics["rl/is_masked_low"].item() == pytest.approx(1 / 3)
+    assert out.metrics["rl/masked_advantage_positive"].item() == pytest.approx(0.5)
+    assert out.counts["rl/is_masked"].item() == 3
+    assert out.counts["rl/masked_mismatch_kl"].item() == 2
+    assert out.metrics["rl/unmasked_mismatch_kl"].item() == pytest.approx(0.0)
 
 
-def test_ce_loss():
+def test_sft_loss():
     trn = torch.tensor([-1.0, -2.0, -3.0], requires_grad=True)
     w = torch.tensor([0.5, 0.0, 2.0])
-    out = ce_loss(LossInputs(trn, trn, None, None, w != 0, w))
+    out = run(SFT(), trn, None, None, None, torch.ones(3, dtype=torch.bool), w)
     assert out.loss.item() == pytest.approx(0.5 + 6.0)
-    assert out.metrics["nll"].item() == pytest.approx(2.0)
+    assert out.metrics["rl/nll"].item() == pytest.approx(2.0)
 
 
 @pytest.mark.parametrize(
@@ -117,6 +122,5 @@ def test_instances_are_the_historical_loss_types():
     assert (DPPO.advantage, DPPO.trust_region, DPPO.dppo_mask_low, DPPO.dppo_mask_high) == ("shipped", "dppo", 0.2, 0.2)
     assert (IPO.trust_region, IPO.ipo_threshold) == ("ipo", 0.1)
     assert (REF_KL.advantage, REF_KL.trust_region, REF_KL.kl_tau, REF_KL.adv_tau) == ("ref_kl", "one_sided", 1e-3, 1.0)
-    assert REF_KL.metric_prefix == "ref_kl/"
-    with pytest.raises(ValueError, match="ref_logprobs"):
-        REF_KL(LossInputs(torch.zeros(2), torch.zeros(2), None, None, torch.ones(2, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="needs the plan's ref_logprobs"):
+        run(REF_KL, torch.zeros(2), torch.zeros(2), None, None, torch.ones(2, dtype=torch.bool))

@@ -6,8 +6,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from packloss.batch import layout_tensors
-from packloss.segments import broadcast, segment_count, segment_max, segment_mean, segment_min, segment_sum
+from packloss.core.layout import Layout
+from packloss.core.segments import broadcast, segment_count, segment_max, segment_mean, segment_min, segment_sum
 from packloss.testing import OpCounter
 
 
@@ -16,7 +16,7 @@ from packloss.testing import OpCounter
 def test_segment_reductions_equal_loops(lens, seed):
     g = torch.Generator().manual_seed(seed)
     n, s = sum(lens), len(lens)
-    _, seq_ids = layout_tensors(lens, "cpu")
+    seq_ids = Layout.build(lens).seq_ids
     x = torch.randn(n, generator=g, dtype=torch.float64)
     mask = torch.rand(n, generator=g) < 0.6
     x_poisoned = torch.where(mask, x, torch.tensor(float("nan"), dtype=torch.float64))
@@ -36,7 +36,7 @@ def test_segment_reductions_equal_loops(lens, seed):
 
 
 def test_segment_ops_are_sync_free_and_differentiable():
-    _, seq_ids = layout_tensors([3, 1, 4], "cpu")
+    seq_ids = Layout.build([3, 1, 4]).seq_ids
     x = torch.randn(8, requires_grad=True)
     mask = torch.tensor([1, 0, 1, 1, 1, 0, 1, 1], dtype=torch.bool)
     with OpCounter() as counter:

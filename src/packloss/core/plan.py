@@ -92,9 +92,11 @@ class Component:
         return self.normalize, self.constant
 
 
-def _first_tensor(components: Mapping[str, Component]) -> Tensor:
-    for comp in components.values():
-        return comp.mask if comp.mask is not None else comp.weights
+def _first_tensor(components: Mapping[str, Component]) -> tuple[str, Tensor]:
+    for name, comp in components.items():
+        if comp.mask is not None:
+            return f"components[{name!r}].mask", comp.mask
+        return f"components[{name!r}].weights", comp.weights
     raise ValueError("components is empty: a plan needs at least one component")
 
 
@@ -145,7 +147,10 @@ class Plan:
         object.__setattr__(self, "components", dict(self.components))
         lens = check_seq_lens(self.seq_lens)
         object.__setattr__(self, "seq_lens", lens)
-        device = _first_tensor(self.components).device
+        first_name, first = _first_tensor(self.components)
+        if first.dim() == 1 and first.shape[0] != sum(lens):
+            raise ValueError(f"seq_lens sums to {sum(lens)} but {first_name} holds {first.shape[0]} tokens")
+        device = first.device
         self._check_tensors(sum(lens), device)
         layout = Layout.build(lens, device)
         object.__setattr__(self, "layout", layout)

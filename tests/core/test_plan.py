@@ -1,0 +1,145 @@
+"""Plan, Component and Outputs: cheap sync-free checks that name the argument, and deep checks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from packloss import DPPO, REF_KL, SFT, Component, Outputs, Plan
+from packloss.testing import OpCounter
+
+N = 7
+LENS = [3, 4]
+
+
+def streams():
+    g = torch.Generator().manual_seed(0)
+    return dict(
+        mask=torch.tensor([0, 1, 1, 0, 1, 1, 1], dtype=torch.bool),
+        inference=torch.rand(N, generator=g).clamp_min(0.1).log(),
+        adv=torch.randn(N, generator=g),
+    )
+
+
+def rl_plan(**over) -> Plan:
+    s = streams()
+    kwargs = dict(
+        seq_lens=LENS,
+        components={"rl": Component(DPPO, mask=s["mask"])},
+        inference_logprobs=s["inference"],
+        advantages=s["adv"],
+    )
+    kwargs.update(over)
+    return Plan(**kwargs)
+
+
+def test_layout_and_members_are_derived_once():
+    s = streams()
+    w = torch.tensor([0.0, 1.0, 0.0, 2.0, 1.0, 1.0, 0.5])
+    plan = rl_plan(components={"rl": Component(DPPO, mask=s["mask"], weights=w), "sft": Component(SFT(), weights=w)})
+    assert plan.layout.cu_seqlens.tolist() == [0, 3, 7]
+    assert plan.layout.seq_ids.tolist() == [0, 0, 0, 1, 1, 1, 1]
+    assert (plan.num_seqs, plan.num_tokens) == (2, 7)
+    assert plan.members["rl"].tolist() == [False, True, False, False, True, True, True]
+    assert plan.members["sft"].tolist() == (w != 0).tolist()
+    assert plan.weights["sft"].tolist() == w.tolist()
+
+
+def test_construction_has_no_device_to_host_sync():
+    s = streams()
+    with OpCounter() as counter:
+        plan = rl_plan(group_ids=[0, 1])
+        Outputs(logprobs=s["inference"].clone()).check(plan)
+    assert counter.num_syncs == 0, counter.syncs
+
+
+BAD = [
+    (dict(seq_lens=[3, 3]), ValueError, "seq_lens sums to 6"),
+    (dict(seq_lens=[3, 0, 4]), ValueError, "seq_lens must hold positive"),
+    (dict(seq_lens=[3.0, 4]), TypeError, "seq_lens must hold Python ints"),
+    (dict(seq_lens=torch.tensor(LENS)), TypeError, "seq_lens must be host-side"),
+    (dict(seq_lens=None), TypeError, "seq_lens must be a list"),
+    (dict(seq_lens=[]), ValueError, "seq_lens is empty"),
+    (dict(components={}), ValueError, "components is empty"),
+    (dict(components=[("rl", 1)]), TypeError, "components must be a mapping"),
+    (dict(components={"rl": DPPO}), TypeError, r"components\['rl'\] must be a Component"),
+    (dict(components={"": Component(SFT(), mask=torch.ones(N, dtype=torch.bool))}), TypeError, "component names"),
+    (dict(components={"rl": Component(DPPO, mask=torch.ones(5, dtype=torch.bool))}), ValueError,
+     r"seq_lens sums to 7 but components\['rl'\].mask holds 5"),
+    (dict(inference_logprobs=torch.zeros(6)), ValueError, r"inference_logprobs must have shape \[7\]"),
+    (dict(advantages=torch.zeros(N, dtype=torch.long)), TypeError, "advantages must be a floating-point"),
+    (dict(advantages=[0.0] * N), TypeError, "advantages must be a torch.Tensor"),
+    (dict(inference_logprobs=None), ValueError, "'rl' needs the plan's inference_logprobs"),
+    (dict(advantages=None), ValueError, "'rl' needs the plan's advantages"),
+    (dict(components={"d": Component(REF_KL, mask=torch.ones(N, dtype=torch.bool))}), ValueError,
+     "'d' needs the plan's ref_logprobs"),
+    (dict(teacher_logits=torch.zeros(6, 5)), ValueError, r"teacher_logits must have shape \[N, V\]"),
+    (dict(teacher_hidden=torch.zeros(N, 4)), ValueError, "teacher_hidden and teacher_weight go together"),
+    (dict(teacher_hidden=torch.zeros(N, 4), teacher_weight=torch.zeros(9, 3)), ValueError, "teacher_weight must"),
+    (dict(group_ids=[0]), ValueError, "group_ids holds 1 ids for S=2"),
+    (dict(group_ids=[0, -1]), ValueError, "group_ids must be >= 0"),
+    (dict(group_ids=[0, 1.0]), TypeError, "group_ids must hold Python ints"),
+    (dict(group_ids=torch.tensor([0, 1])), TypeError, "group_ids must be host-side"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("over, error, match", BAD, ids=[m for _, _, m in BAD])
+def test_invalid_plan_names_the_argument(over, error, match):
+    with pytest.raises(error, match=match):
+        rl_plan(**over)
+
+
+COMPONENT_BAD = [
+    (dict(loss="dppo"), TypeError, "loss must be a callable"),
+    (dict(mask=None), ValueError, "needs mask, weights or both"),
+    (dict(mask=torch.ones(N)), TypeError, "mask must be a bool tensor"),
+    (dict(mask=[True] * N), TypeError, "mask must be a torch.Tensor"),
+    (dict(weights=torch.ones(N, dtype=torch.long)), TypeError, "weights must be a floating-point"),
+    (dict(normalize="tokens"), ValueError, "normalize must be one of"),
+]
+
+
+@pytest.mark.parametrize("over, error, match", COMPONENT_BAD, ids=[m for _, _, m in COMPONENT_BAD])
+def test_invalid_component_names_the_argument(over, error, match):
+    kwargs = dict(loss=SFT(), mask=torch.ones(N, dtype=torch.bool))
+    kwargs.update(over)
+    with pytest.raises(error, match=match):
+        Component(**kwargs)
+
+
+def test_invalid_outputs_name_the_argument():
+    plan = rl_plan()
+    with pytest.raises(TypeError, match="outputs.logprobs must be a torch.Tensor"):
+        Outputs(logprobs=[0.0] * N)
+    with pytest.raises(TypeError, match="outputs.entropy must be a floating-point"):
+        Outputs(entropy=torch.zeros(N, dtype=torch.long))
+    with pytest.raises(ValueError, match="hidden and outputs.head_weight go together"):
+        Outputs(hidden=torch.zeros(N, 4))
+    with pytest.raises(ValueError, match=r"head_weight must be \[V, H\] with H=4"):
+        Outputs(hidden=torch.zeros(N, 4), head_weight=torch.zeros(9, 3))
+    with pytest.raises(ValueError, match=r"outputs.logits must have shape \[N, ·\]"):
+        Outputs(logits=torch.zeros(N)).check(plan)
+
+
+def test_deep_validation_reads_values():
+    plan = rl_plan()
+    assert plan.validate(deep=True) is plan
+    bad_inf = streams()["inference"].clone()
+    bad_inf[0] = float("nan")  # not a member: fine
+    rl_plan(inference_logprobs=bad_inf).validate(deep=True)
+    bad_inf[1] = float("nan")
+    with pytest.raises(ValueError, match="inference_logprobs holds a non-finite"):
+        rl_plan(inference_logprobs=bad_inf).validate(deep=True)
+    with pytest.raises(ValueError, match="inference_logprobs holds a positive"):
+        rl_plan(inference_logprobs=torch.full((N,), 0.5)).validate(deep=True)
+    w = torch.ones(N)
+    w[0] = float("inf")
+    with pytest.raises(ValueError, match=r"components\['rl'\].weights holds a non-finite"):
+        rl_plan(components={"rl": Component(DPPO, mask=streams()["mask"], weights=w)}).validate(deep=True)
+
+
+def test_plan_is_frozen():
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        rl_plan().seq_lens = (7,)
