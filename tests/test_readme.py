@@ -15,4 +15,6 @@ def test_readme_snippets_run():
     exec(compile("\n".join(blocks), str(README), "exec"), namespace)
     grad = namespace["trainer"].grad
     assert grad is not None and grad.abs().sum() > 0
-    assert set(namespace["metrics"]) >= {"is_masked", "masked_mismatch_kl"}
+    assert set(namespace["metrics"]) >= {"is_masked", "masked_mismatch_kl"}  # the prime-rl snippet's names
+    assert set(namespace["result"].metrics) >= {"rl/is_masked", "rl/loss"}
+    assert namespace["sft"].loss.requires_grad and namespace["kd"].loss.requires_grad
