@@ -205,11 +205,25 @@ def test_objective_and_mode_sync_free_and_flat(name, mode):
         (dict(icepop_low=2.0, icepop_high=1.0), "icepop_low < icepop_high"),
         (dict(tis_cap=0.0), "tis_cap must be > 0"),
         (dict(ref_kl_coef=-1.0), "ref_kl_coef must be >= 0"),
+        (dict(kl_tau=-1e-3), "kl_tau must be >= 0"),
+        (dict(dppo_mask_high=float("nan")), "dppo_mask_high must be finite"),
+        (dict(ipo_threshold=float("inf")), "ipo_threshold must be finite"),
+        (dict(clip_high=float("nan")), "clip_high must be finite"),
+        (dict(adv_tau=float("nan")), "adv_tau must be finite"),
+        (dict(trust_region="ppo_clip", dual_clip_c=float("nan")), "dual_clip_c must be finite"),
+        (dict(tis_cap=float("inf")), "tis_cap must be finite"),
     ],
 )
 def test_objective_params_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
         PGParams(**kwargs)
+
+
+def test_objective_params_types():
+    with pytest.raises(TypeError, match="kl_tau must be a number"):
+        PGParams(kl_tau="0.1")
+    with pytest.raises(TypeError, match="clip_low must be a number"):
+        PGParams(clip_low=True)
 
 
 def test_ref_kl_penalty_needs_reference():

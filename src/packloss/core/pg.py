@@ -38,6 +38,7 @@ policy gradient with a live advantage. prime-rl's three loss types are :data:`DP
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -103,21 +104,28 @@ class PGParams:
         for name in ("kl_estimator", "ref_kl_estimator"):
             if getattr(self, name) not in KL_ESTIMATORS:
                 raise ValueError(f"{name} must be one of {KL_ESTIMATORS}, got {getattr(self, name)!r}")
-        for name in ("dppo_mask_low", "dppo_mask_high", "ipo_threshold", "one_sided_threshold", "clip_high"):
-            if getattr(self, name) < 0:
+        for name in ("adv_tau", "kl_tau", "dppo_mask_low", "dppo_mask_high", "ipo_threshold", "one_sided_threshold"):
+            _check_number(self, name)
+        for name in ("clip_low", "clip_high", "icepop_low", "icepop_high", "ref_kl_coef"):
+            _check_number(self, name)
+        for name in ("kl_tau", "dppo_mask_low", "dppo_mask_high", "ipo_threshold", "one_sided_threshold", "clip_high"):
+            if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.clip_low < 1:
             raise ValueError(f"clip_low must be in [0, 1), got {self.clip_low}")
         if self.dual_clip_c is not None:
+            _check_number(self, "dual_clip_c")
             if self.trust_region != "ppo_clip":
                 raise ValueError(f"dual_clip_c needs trust_region='ppo_clip', got {self.trust_region!r}")
             if not self.dual_clip_c > 1:
                 raise ValueError(f"dual_clip_c must be > 1, got {self.dual_clip_c}")
         if not 0 <= self.icepop_low < self.icepop_high:
             raise ValueError(f"need 0 <= icepop_low < icepop_high, got {self.icepop_low}, {self.icepop_high}")
+        if self.tis_cap is not None:
+            _check_number(self, "tis_cap")
         if self.tis_cap is not None and not self.tis_cap > 0:
             raise ValueError(f"tis_cap must be > 0 or None, got {self.tis_cap}")
-        if self.ref_kl_coef < 0:
+        if not self.ref_kl_coef >= 0:
             raise ValueError(f"ref_kl_coef must be >= 0, got {self.ref_kl_coef}")
 
     def __call__(self, inputs: ComponentInputs) -> ComponentOutput:
@@ -130,6 +138,15 @@ class PGParams:
             plan.require("advantages", name)
         if self.advantage == "ref_kl" or self.ref_kl_coef:
             plan.require("ref_logprobs", name)
+
+
+def _check_number(params: PGParams, name: str) -> None:
+    """A finite real number (bools, strings, NaN and ±inf are rejected with the field's name)."""
+    value = getattr(params, name)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
 
 
 DPPO = PGParams()
