@@ -8,7 +8,7 @@ import torch
 from conftest import CONFIGS, bin_of
 from packloss.compat import prime_rl
 from packloss.compat.prime_rl import CustomLossConfig
-from packloss.testing import ARCHETYPES
+from packloss.testing import ARCHETYPES, OpCounter
 from packloss.testing import reference
 
 DPPO_KEYS = {
@@ -168,3 +168,25 @@ def test_shift_tensors():
     assert prime_rl.shift_tensor_left(t).tolist() == [[2, 3, 0], [5, 6, 0]]
     assert prime_rl.shift_tensor_right(t.float(), pad_value=-1.0).tolist() == [[-1, 1, 2], [-1, 4, 5]]
     assert prime_rl.shift_tensor_right(t).tolist() == [[0, 1, 2], [0, 4, 5]]
+
+
+_METADATA_OPS = {"aten.view", "aten.expand", "aten.as_strided", "aten.alias", "aten.slice", "aten.narrow"}
+
+
+def test_views_of_one_tensor_are_used_without_cat():
+    """Lists that are consecutive views of one packed row cost the same at any sequence count."""
+    totals = {}
+    for num_seqs in (1, 16, 256):
+        batch = bin_of("hot", num_tokens=2048, num_seqs=num_seqs)
+        kwargs = dict(**batch.lists(), **batch.integer_scales())
+        fn = prime_rl.setup_rl_loss_fn(CONFIGS["dppo"])
+        with OpCounter() as counter:
+            loss, _ = prime_rl.compute_loss(**kwargs, rl_loss_fn=fn)
+            loss.backward()
+        assert counter.ops["aten.cat"] == 0, num_seqs
+        totals[num_seqs] = sum(n for op, n in counter.ops.items() if op not in _METADATA_OPS)
+    assert totals[1] == totals[16] == totals[256], totals
+    copies = {k: [t.clone() for t in v] if v is not None else None for k, v in bin_of("hot").lists().items()}
+    with OpCounter() as counter:
+        prime_rl.compute_loss(**copies, rl_loss_fn=fn, rl_scale=1, ce_scale=1, ref_kl_scale=1)
+    assert counter.ops["aten.cat"] > 0  # separate tensors are concatenated (the check can fail)
