@@ -1,11 +1,14 @@
-"""Custom rl losses used by the tests (imported through ``CustomLossConfig.import_path``)."""
+"""Custom rl losses used by the tests (imported through ``CustomLossConfig.import_path`` and by
+``packloss check``). Like prime-rl's own custom losses they take a ``LossInputs`` and return
+``LossOutputs``, and they read only prime-rl's fields (no ``inputs.mean``): the per-sequence
+reference calls them with its own, independent ``LossInputs``."""
 
 from __future__ import annotations
 
 import torch
 
-from packloss.component import LossInputs, LossOutputs
-from packloss.segments import broadcast, segment_count
+from packloss.compat.prime_rl import LossInputs, LossOutputs
+from packloss.core.segments import broadcast, segment_count
 
 
 def additive_loss(inputs: LossInputs, coef: float = 1.0) -> LossOutputs:
@@ -15,7 +18,8 @@ def additive_loss(inputs: LossInputs, coef: float = 1.0) -> LossOutputs:
     per_token = -coef * torch.where(m, inputs.advantages, 0.0) * ratio
     if inputs.loss_weights is not None:
         per_token = per_token * torch.where(m, inputs.loss_weights, 0.0)
-    return LossOutputs(loss=per_token.sum(), metrics={"custom_ratio": inputs.mean(ratio, m)[0]})
+    mean_ratio = torch.where(m, ratio, 0.0).detach().sum() / m.sum().clamp_min(1)  # no sync: a tensor
+    return LossOutputs(loss=per_token.sum(), metrics={"custom_ratio": mean_ratio})
 
 
 def per_sequence_mean_naive(inputs: LossInputs) -> LossOutputs:

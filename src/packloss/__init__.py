@@ -9,6 +9,7 @@ from packloss.core.normalize import Normalize, StepDenominators, count_denominat
 from packloss.core.pg import DPPO, IPO, REF_KL, PGParams
 from packloss.core.plan import Component, Outputs, Plan
 from packloss.core.sft import SFT, Entropy
+from packloss.vocab import VocabDistill, VocabParallel
 
 __all__ = [
     "Plan",
@@ -25,6 +26,8 @@ __all__ = [
     "REF_KL",
     "SFT",
     "Entropy",
+    "VocabDistill",
+    "VocabParallel",
     "ComponentInputs",
     "ComponentOutput",
     "Aggregation",

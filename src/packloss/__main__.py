@@ -1,5 +1,5 @@
-"""``python -m packloss``: the ``packloss`` command (see :mod:`packloss.cli`)."""
+"""``python -m packloss``: the ``packloss`` command (see :mod:`packloss.tools.cli`)."""
 
-from packloss.cli import main
+from packloss.tools.cli import main
 
 raise SystemExit(main())

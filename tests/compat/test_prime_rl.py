@@ -8,8 +8,7 @@ import torch
 from conftest import CONFIGS, bin_of
 from packloss.compat import prime_rl
 from packloss.compat.prime_rl import CustomLossConfig
-from packloss.testing import ARCHETYPES, OpCounter
-from packloss.testing import reference
+from packloss.testing import ARCHETYPES, OpCounter, reference
 
 DPPO_KEYS = {
     "masked_mismatch_kl",

@@ -47,7 +47,9 @@ def test_native_has_no_syncs(archetype, config_name):
 
 def test_compat_has_no_syncs(archetype, config_name):
     streams = bin_of(archetype)
-    kwargs = dict(**streams.lists(), **streams.integer_scales(), rl_loss_fn=prime_rl.setup_rl_loss_fn(CONFIGS[config_name]))
+    kwargs = dict(
+        **streams.lists(), **streams.integer_scales(), rl_loss_fn=prime_rl.setup_rl_loss_fn(CONFIGS[config_name])
+    )
     with OpCounter() as counter:
         loss, _ = prime_rl.compute_loss(**kwargs)
         loss.backward()

@@ -77,7 +77,11 @@ def _sequence_sums(kind: str, s: dict, weighted: bool) -> list[torch.Tensor]:
         trn = s["theta"][sl]
         if kind in ("rl", "distill"):
             inputs = ref_impl.LossInputs(trn, s["inference"][sl], s["ref"][sl], s["adv"][sl], m, w)
-            fn = ref_impl.ref_kl_loss_fn if kind == "distill" else (lambda i: ref_impl.default_loss_fn(i, DefaultLossConfig()))
+            fn = (
+                ref_impl.ref_kl_loss_fn
+                if kind == "distill"
+                else (lambda i: ref_impl.default_loss_fn(i, DefaultLossConfig()))
+            )
             out.append(fn(inputs).loss)
         elif kind == "sft":
             out.append(torch.where(m, -trn * w, 0.0).sum())
@@ -249,7 +253,9 @@ def test_denominators_carry_their_mode():
     s = step()
     token_plan, outputs = plan_of("rl", "token", s, True)
     seq_plan, _ = plan_of("rl", "sequence_mean", s, True)
-    with pytest.raises(ValueError, match=r"normalises with normalize='token' but .* counted for normalize='sequence_mean'"):
+    with pytest.raises(
+        ValueError, match=r"normalises with normalize='token' but .* counted for normalize='sequence_mean'"
+    ):
         compute_loss(token_plan, outputs, count_denominators([seq_plan]))
     other = Plan(LENS, {"sft": Component(SFT(), mask=s["masks"]["sft"])})
     with pytest.raises(ValueError, match="no component 'rl'"):

@@ -3,7 +3,6 @@ from its paper formula with plain autograd, over hypothesis-drawn packings; NaN 
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings

@@ -1,4 +1,4 @@
-"""packloss.hf: a patched Hugging Face causal LM equals its own logits path (tiny models, no downloads)."""
+"""packloss.integrations.hf: a patched Hugging Face causal LM equals its own logits path (tiny models, no downloads)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from packloss.hf import causal_lm_logprobs, next_token_labels, patch_causal_lm  # noqa: E402
+from packloss.integrations.hf import causal_lm_logprobs, next_token_labels, patch_causal_lm  # noqa: E402
 
 VOCAB = 97
 SMALL = dict(

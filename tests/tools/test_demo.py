@@ -1,8 +1,10 @@
-"""packloss.demo: packed log-probs equal unpacked ones; a quick run learns; two gloo ranks equal one
+"""packloss.tools.demo: packed log-probs equal unpacked ones; a quick run learns; two gloo ranks equal one
 process accumulating as two ranks (``--emulate-ranks 2``), bit for bit.
 
 Cost: two quick single-process runs (plain and ``--emulate-ranks 2``) and one quick two-process run
-(module-scoped fixtures shared by the asserts): 78 s on 2 CPU cores.
+(module-scoped fixtures shared by the asserts), and one step of each phase on one process and on two
+gloo ranks: 78 s for the runs on 2 idle CPU cores; 130 s for the runs and 45 s for the steps on 2
+cores shared with other jobs (load average 2.5).
 """
 
 from __future__ import annotations
@@ -16,9 +18,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 pytest.importorskip("transformers")
 
-from packloss import demo  # noqa: E402
-from packloss.packing import block_causal_mask  # noqa: E402
+from packloss.core.packing import block_causal_mask  # noqa: E402
 from packloss.testing import run_gloo  # noqa: E402
+from packloss.tools import demo  # noqa: E402
 
 # Held-out reward gain of the student (after RL minus before distillation) in `demo --quick`, seeds
 # 0-4, 2 CPU cores (docs/demo.md): 0.295, 0.266, 0.271, 0.292, 0.222 (mean 0.269, std 0.029); the
@@ -41,7 +43,7 @@ def test_packed_logprobs_equal_each_sequence_alone():
     with torch.no_grad():
         together = demo.packed_logprobs(model, packed)
         alone = torch.cat([demo.packed_logprobs(model, demo.make_bin([r], [0.0], "cpu")) for r in rollouts])
-        # The explicit block-diagonal causal mask (packloss.packing) gives the same log-probs.
+        # The explicit block-diagonal causal mask (packloss.core.packing) gives the same log-probs.
         mask = block_causal_mask(packed.seq_lens)[None, None]
         explicit = model(packed.input_ids, labels=packed.labels, position_ids=packed.positions, attention_mask=mask)
     torch.testing.assert_close(together, alone, rtol=1e-5, atol=1e-5)

@@ -1,4 +1,4 @@
-"""Full-vocabulary distillation (issue 4): values, gradients, normalisation, memory structure, syncs."""
+"""packloss.vocab.distill: per-token divergences from logits: values, gradients, masking, memory, syncs."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from packloss.distill import forward_kl, jsd, reverse_kl, soft_cross_entropy
 from packloss.testing import OpCounter
+from packloss.vocab.distill import divergence, forward_kl, jsd, reverse_kl, soft_cross_entropy
 
 LOSSES = {
     "reverse_kl": reverse_kl,
@@ -48,31 +48,35 @@ def _ref_per_token(kind: str, log_q: torch.Tensor, log_p: torch.Tensor, beta: fl
     return beta * kl_p + (1 - beta) * kl_q
 
 
+def _token_weights(mask: torch.Tensor | None, n: int) -> torch.Tensor:
+    """``mask / max(count, 1)``: the weights of a token mean (float64)."""
+    mask = torch.ones(n, dtype=torch.bool) if mask is None else mask
+    return mask.double() / max(int(mask.sum()), 1)
+
+
 def _reference(
     kind: str,
     s: torch.Tensor,
     t: torch.Tensor,
     mask: torch.Tensor | None,
     *,
-    student_temperature: float = 1.0,
+    weights: torch.Tensor | None = None,
+    temperature: float = 1.0,
     teacher_temperature: float = 1.0,
     teacher_format: str = "logits",
-    normalize: str = "token",
-    denominator: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss, d loss / d s) in float64 by autograd."""
+    """(per-token losses [N], d(Σ_members w_t L_t)/ds) in float64 by autograd; ``w`` defaults to the
+    token-mean weights."""
     s64 = s.detach().double().requires_grad_()
+    w = _token_weights(mask, s.shape[0]) if weights is None else weights.double()
     mask = torch.ones(s.shape[0], dtype=torch.bool) if mask is None else mask
     safe_s = torch.where(mask[:, None], s64, 0.0)
     safe_t = torch.where(mask[:, None], t.double(), 1.0 if teacher_format == "probs" else 0.0)
-    log_q = F.log_softmax(safe_s / student_temperature, dim=-1)
+    log_q = F.log_softmax(safe_s / temperature, dim=-1)
     log_p = _ref_teacher_log_probs(safe_t, teacher_temperature, teacher_format)
-    total = torch.where(mask, _ref_per_token(kind, log_q, log_p), 0.0).sum()
-    if denominator is None:
-        denominator = {"token": max(int(mask.sum()), 1), "position": s.shape[0], "sum": 1}[normalize]
-    loss = total / denominator
-    loss.backward()
-    return loss.detach(), s64.grad
+    per_token = torch.where(mask, _ref_per_token(kind, log_q, log_p), 0.0)
+    torch.where(mask, per_token * w, 0.0).sum().backward()
+    return per_token.detach(), s64.grad
 
 
 def _inputs(n: int = 11, v: int = 37, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 2.0):
@@ -84,11 +88,14 @@ def _inputs(n: int = 11, v: int = 37, dtype: torch.dtype = torch.float32, seed: 
     return s, t, mask
 
 
-def _run(kind: str, s: torch.Tensor, t: torch.Tensor, mask, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+def _run(kind: str, s, t, mask, weights: torch.Tensor | None = None, **kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-token losses, d(Σ_members w_t L_t)/ds) of packloss; ``w`` defaults to the token-mean weights."""
     s.grad = None
-    loss = LOSSES[kind](s, t, mask, **kw)
-    loss.backward()
-    return loss.detach(), s.grad
+    per_token = LOSSES[kind](s, t, mask, **kw)
+    w = _token_weights(mask, s.shape[0]) if weights is None else weights
+    m = torch.ones(s.shape[0], dtype=torch.bool) if mask is None else mask
+    torch.where(m, per_token * w.to(per_token.dtype), 0.0).sum().backward()
+    return per_token.detach(), s.grad
 
 
 def _assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, floor: float = 0.0) -> None:
@@ -109,23 +116,56 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, rtol: float, flo
 @pytest.mark.parametrize("chunk_size", [None, 3, 4])  # 11 rows: chunks of 3 and 4 leave a remainder
 def test_matches_reference_fp32(kind: str, temps: tuple[float, float], chunk_size: int | None) -> None:
     s, t, mask = _inputs(v=37)  # V = 37: no chunk divides it
-    kw = dict(student_temperature=temps[0], teacher_temperature=temps[1])
-    loss, grad = _run(kind, s, t, mask, chunk_size=chunk_size, impl="eager", **kw)
-    ref_loss, ref_grad = _reference(kind, s, t, mask, **kw)
-    assert loss.dtype == torch.float32 and grad.dtype == torch.float32
-    _assert_close(loss, ref_loss, rtol=1e-5)
+    kw = dict(temperature=temps[0], teacher_temperature=temps[1])
+    per_token, grad = _run(kind, s, t, mask, chunk_size=chunk_size, impl="eager", **kw)
+    ref_per_token, ref_grad = _reference(kind, s, t, mask, **kw)
+    assert per_token.dtype == torch.float32 and grad.dtype == torch.float32 and per_token.shape == (11,)
+    _assert_close(per_token, ref_per_token, rtol=1e-5)
     _assert_close(grad, ref_grad, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("chunk_size", [None, 4])
+def test_weighted_sum_matches_naive_autograd(kind: str, chunk_size: int | None) -> None:
+    """A non-uniform grad_output (``Σ w_t L_t``, w of both signs): the row-scaled backward equals
+    autograd through the materialised divergence."""
+    s, t, mask = _inputs(seed=3)
+    w = torch.randn(s.shape[0], generator=torch.Generator().manual_seed(9))
+    per_token, grad = _run(kind, s, t, mask, weights=w, chunk_size=chunk_size, temperature=1.3)
+    ref_per_token, ref_grad = _reference(kind, s, t, mask, weights=w, temperature=1.3)
+    _assert_close(per_token, ref_per_token, rtol=1e-5)
+    _assert_close(grad, ref_grad, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_weighted_sum_float64_is_exact(kind: str) -> None:
+    s, t, mask = _inputs(n=9, v=13, dtype=torch.float64, seed=4)
+    w = torch.randn(9, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    per_token, grad = _run(kind, s, t, mask, weights=w, chunk_size=2, teacher_temperature=0.7)
+    ref_per_token, ref_grad = _reference(kind, s, t, mask, weights=w, teacher_temperature=0.7)
+    assert per_token.dtype == torch.float64 and grad.dtype == torch.float64
+    torch.testing.assert_close(per_token, ref_per_token, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, ref_grad, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_divergence_equals_the_named_wrappers(kind: str) -> None:
+    s, t, mask = _inputs()
+    beta = {"beta": 0.3} if kind == "jsd" else {}
+    got = divergence(kind, s, t, mask, temperature=1.5, chunk_size=4, **beta)
+    want = LOSSES[kind](s, t, mask, temperature=1.5, chunk_size=4)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("beta, other", [(0.0, forward_kl), (1.0, reverse_kl)])
 def test_jsd_endpoints_are_forward_and_reverse_kl(beta: float, other) -> None:
     s, t, mask = _inputs()
     loss = jsd(s, t, mask, beta=beta)
-    loss.backward()
+    loss.sum().backward()
     grad = s.grad.clone()
     s.grad = None
     other_loss = other(s, t, mask)
-    other_loss.backward()
+    other_loss.sum().backward()
     torch.testing.assert_close(loss, other_loss, rtol=0, atol=0)
     torch.testing.assert_close(grad, s.grad, rtol=0, atol=0)
 
@@ -136,41 +176,44 @@ def test_jsd_endpoints_are_forward_and_reverse_kl(beta: float, other) -> None:
     [
         # The reference upcasts the SAME rounded inputs to float64, so the only errors are float32
         # accumulation (~1e-6 relative) and rounding the gradient to the logits' dtype: half an ulp,
-        # 2**-9 (bf16) / 2**-12 (fp16) relative. We allow one ulp, 2**-8 / 2**-11, with the same
-        # relative floor at rtol · max|grad| for entries near zero.
+        # 2**-9 (bf16) / 2**-12 (fp16) relative, once in the forward and once when the backward
+        # scales the rows. We allow one ulp, 2**-8 / 2**-11, with the same relative floor at
+        # rtol · max|grad| for entries near zero.
         (torch.bfloat16, 2.0**-8),
         (torch.float16, 2.0**-11),
     ],
 )
 def test_matches_reference_low_precision(kind: str, dtype: torch.dtype, rtol: float) -> None:
     s, t, mask = _inputs(n=9, v=50, dtype=dtype)
-    loss, grad = _run(kind, s, t, mask, chunk_size=4, student_temperature=1.5)
-    ref_loss, ref_grad = _reference(kind, s, t, mask, student_temperature=1.5)
-    assert loss.dtype == torch.float32 and grad.dtype == dtype
-    _assert_close(loss, ref_loss, rtol=1e-5)  # the loss itself stays float32
+    per_token, grad = _run(kind, s, t, mask, chunk_size=4, temperature=1.5)
+    ref_per_token, ref_grad = _reference(kind, s, t, mask, temperature=1.5)
+    assert per_token.dtype == torch.float32 and grad.dtype == dtype
+    _assert_close(per_token, ref_per_token, rtol=1e-5)  # the losses themselves stay float32
     _assert_close(grad, ref_grad, rtol=rtol)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("teacher_format", ["logits", "probs"])
 def test_gradcheck_float64(kind: str, teacher_format: str) -> None:
+    """The full Jacobian of the per-token vector: every one-hot grad_output row by row."""
     s, t, mask = _inputs(n=5, v=7, dtype=torch.float64)
     if teacher_format == "probs":
         t = torch.softmax(t, dim=-1)
     s = s.detach().requires_grad_()
     fn = LOSSES[kind]
-    kw = dict(student_temperature=1.7, teacher_temperature=0.6, teacher_format=teacher_format, chunk_size=2)
+    kw = dict(temperature=1.7, teacher_temperature=0.6, teacher_format=teacher_format, chunk_size=2)
     assert torch.autograd.gradcheck(lambda x: fn(x, t, mask, **kw), (s,))
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("normalize", ["token", "position", "sum"])
-def test_all_tokens_masked_gives_zero(kind: str, normalize: str) -> None:
+def test_all_tokens_masked_gives_zero(kind: str) -> None:
     s, t, _ = _inputs()
     mask = torch.zeros(s.shape[0], dtype=torch.bool)
-    loss, grad = _run(kind, s, t, mask, normalize=normalize, chunk_size=4)
-    assert loss.item() == 0.0
-    assert torch.equal(grad, torch.zeros_like(grad))
+    s.grad = None
+    per_token = LOSSES[kind](s, t, mask, chunk_size=4)
+    per_token.sum().backward()
+    assert torch.equal(per_token, torch.zeros_like(per_token))
+    assert torch.equal(s.grad, torch.zeros_like(s.grad))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -180,10 +223,10 @@ def test_extreme_logits_are_finite_and_correct(kind: str) -> None:
     s = (1e4 * torch.randint(-1, 2, (n, v), generator=g).float()).requires_grad_()  # entries in {±1e4, 0}
     t = 1e4 * torch.randint(-1, 2, (n, v), generator=g).float()
     mask = torch.ones(n, dtype=torch.bool)
-    loss, grad = _run(kind, s, t, mask, chunk_size=4)
-    assert torch.isfinite(loss) and torch.isfinite(grad).all()
-    ref_loss, ref_grad = _reference(kind, s, t, mask)
-    _assert_close(loss, ref_loss, rtol=1e-5)
+    per_token, grad = _run(kind, s, t, mask, chunk_size=4)
+    assert torch.isfinite(per_token).all() and torch.isfinite(grad).all()
+    ref_per_token, ref_grad = _reference(kind, s, t, mask)
+    _assert_close(per_token, ref_per_token, rtol=1e-5)
     _assert_close(grad, ref_grad, rtol=1e-5)
 
 
@@ -194,10 +237,10 @@ def test_identical_teacher_and_student_row_has_zero_divergence(kind: str, temper
     t[2] = s[2].detach()
     mask = torch.zeros(s.shape[0], dtype=torch.bool)
     mask[2] = True
-    loss, grad = _run(
-        kind, s, t, mask, normalize="sum", student_temperature=temperature, teacher_temperature=temperature
+    per_token, grad = _run(
+        kind, s, t, mask, weights=torch.ones(s.shape[0]), temperature=temperature, teacher_temperature=temperature
     )
-    assert abs(loss.item()) < 1e-6
+    assert per_token.abs().max().item() < 1e-6
     assert grad.abs().max().item() < 1e-6
 
 
@@ -208,9 +251,9 @@ def test_teacher_given_as_probabilities(kind: str, teacher_format: str) -> None:
     log_p = torch.log_softmax(t, dim=-1)
     given = log_p if teacher_format == "logprobs" else log_p.exp()
     kw = dict(teacher_temperature=0.8)
-    loss, grad = _run(kind, s, given, mask, teacher_format=teacher_format, **kw)
-    ref_loss, ref_grad = _run(kind, s.detach().clone().requires_grad_(), t, mask, **kw)
-    _assert_close(loss, ref_loss, rtol=1e-5)
+    per_token, grad = _run(kind, s, given, mask, teacher_format=teacher_format, **kw)
+    ref_per_token, ref_grad = _run(kind, s.detach().clone().requires_grad_(), t, mask, **kw)
+    _assert_close(per_token, ref_per_token, rtol=1e-5)
     _assert_close(grad, ref_grad, rtol=1e-5)
 
 
@@ -220,26 +263,29 @@ def test_teacher_probabilities_with_exact_zeros(kind: str) -> None:
     p = torch.softmax(t, dim=-1)
     p[:, ::3] = 0.0
     p = p / p.sum(-1, keepdim=True)
-    loss, grad = _run(kind, s, p, mask, teacher_format="probs", chunk_size=4)
-    ref_loss, ref_grad = _reference(kind, s, p, mask, teacher_format="probs")
-    assert torch.isfinite(loss) and torch.isfinite(grad).all()
-    _assert_close(loss, ref_loss, rtol=1e-5)
+    per_token, grad = _run(kind, s, p, mask, teacher_format="probs", chunk_size=4)
+    ref_per_token, ref_grad = _reference(kind, s, p, mask, teacher_format="probs")
+    assert torch.isfinite(per_token).all() and torch.isfinite(grad).all()
+    _assert_close(per_token, ref_per_token, rtol=1e-5)
     _assert_close(grad, ref_grad, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("garbage", [math.inf, -math.inf, math.nan, 1e30])
 def test_non_member_rows_never_leak(kind: str, garbage: float) -> None:
+    """Garbage logits, teacher rows AND caller weights off the members: exactly the clean result."""
     s, t, mask = _inputs()
-    clean_loss, clean_grad = _run(kind, s, t, mask, chunk_size=4)
-    dirty_s = s.detach().clone()
-    dirty_t = t.clone()
+    w = torch.randn(s.shape[0], generator=torch.Generator().manual_seed(5))
+    clean_per_token, clean_grad = _run(kind, s, t, mask, weights=w, chunk_size=4)
+    dirty_s, dirty_t, dirty_w = s.detach().clone(), t.clone(), w.clone()
     dirty_s[~mask] = garbage
     dirty_t[~mask] = garbage
+    dirty_w[~mask] = math.nan  # reaches the backward as a NaN grad_output on non-member rows
     dirty_s.requires_grad_()
-    loss, grad = _run(kind, dirty_s, dirty_t, mask, chunk_size=4)
-    torch.testing.assert_close(loss, clean_loss, rtol=0, atol=0)
+    per_token, grad = _run(kind, dirty_s, dirty_t, mask, weights=dirty_w, chunk_size=4)
+    torch.testing.assert_close(per_token, clean_per_token, rtol=0, atol=0)
     torch.testing.assert_close(grad, clean_grad, rtol=0, atol=0)
+    assert torch.equal(per_token[~mask], torch.zeros_like(per_token[~mask]))
     assert torch.equal(grad[~mask], torch.zeros_like(grad[~mask]))
 
 
@@ -255,78 +301,57 @@ def test_non_member_rows_never_leak(kind: str, garbage: float) -> None:
 def test_jsd_matches_reference_property(n: int, v: int, chunk: int, t_s: float, t_t: float, beta: float) -> None:
     s, t, mask = _inputs(n=n, v=v, seed=n * 31 + v)
     s.grad = None
-    loss = jsd(s, t, mask, beta=beta, student_temperature=t_s, teacher_temperature=t_t, chunk_size=chunk)
-    loss.backward()
+    per_token = jsd(s, t, mask, beta=beta, temperature=t_s, teacher_temperature=t_t, chunk_size=chunk)
+    (per_token.sum() / mask.sum()).backward()
     s64 = s.detach().double().requires_grad_()
     log_q = F.log_softmax(s64 / t_s, dim=-1)
     log_p = F.log_softmax(t.double() / t_t, dim=-1)
-    ref = torch.where(mask, _ref_per_token("jsd", log_q, log_p, beta=beta), 0.0).sum() / mask.sum()
-    ref.backward()
-    # Random shapes include near-degenerate rows (V = 2, T_s = 0.25) whose gradient q (log q − log m
+    ref = torch.where(mask, _ref_per_token("jsd", log_q, log_p, beta=beta), 0.0)
+    (ref.sum() / mask.sum()).backward()
+    # Random shapes include near-degenerate rows (V = 2, T = 0.25) whose gradient q (log q − log m
     # − KL) is a float32 cancellation of O(1) terms: an absolute floor of 1e-6 covers that rounding.
-    _assert_close(loss, ref.detach(), rtol=1e-5, floor=1e-6)
+    _assert_close(per_token.detach(), ref.detach(), rtol=1e-5, floor=1e-6)
     _assert_close(s.grad, s64.grad, rtol=1e-5, floor=1e-6)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Normalisation
-# ---------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(
-    "normalize, denominator, expected",
-    [
-        ("token", None, "members"),
-        ("token", 17.0, 17.0),
-        ("token", torch.tensor(23.0), 23.0),
-        ("position", None, 11.0),
-        ("position", 40, 40.0),
-        ("sum", None, 1.0),
-    ],
-)
-def test_normalisation(kind: str, normalize: str, denominator, expected) -> None:
-    s, t, mask = _inputs(n=11)
-    loss, grad = _run(kind, s, t, mask, normalize=normalize, denominator=denominator)
-    summed_loss, summed_grad = _reference(kind, s, t, mask, normalize="sum")
-    divisor = float(mask.sum()) if expected == "members" else expected
-    _assert_close(loss, summed_loss / divisor, rtol=1e-5)
-    _assert_close(grad, summed_grad / divisor, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_no_mask_means_every_token(kind: str) -> None:
     s, t, _ = _inputs()
-    loss, grad = _run(kind, s, t, None)
-    ref_loss, ref_grad = _reference(kind, s, t, None)
-    _assert_close(loss, ref_loss, rtol=1e-5)
+    per_token, grad = _run(kind, s, t, None)
+    ref_per_token, ref_grad = _reference(kind, s, t, None)
+    _assert_close(per_token, ref_per_token, rtol=1e-5)
     _assert_close(grad, ref_grad, rtol=1e-5)
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_global_denominator_split_in_halves(kind: str) -> None:
+def test_split_in_halves_equals_whole(kind: str) -> None:
+    """Per-token losses are local to their rows: two micro-batches with a shared denominator give the
+    whole batch's losses and gradient."""
     s, t, mask = _inputs(n=12)
     denominator = mask.sum().float()  # the global member count, shared by both halves
-    whole_loss, whole_grad = _run(kind, s, t, mask, denominator=denominator, chunk_size=5)
-    whole_grad = whole_grad.clone()
+    whole = LOSSES[kind](s, t, mask, chunk_size=5)
+    (whole.sum() / denominator).backward()
+    whole_grad = s.grad.clone()
     s.grad = None
     halves = [slice(0, 7), slice(7, 12)]
-    total = sum(LOSSES[kind](s[h], t[h], mask[h], denominator=denominator, chunk_size=5) for h in halves)
-    total.backward()
-    _assert_close(total.detach(), whole_loss, rtol=1e-6)
+    parts = [LOSSES[kind](s[h], t[h], mask[h], chunk_size=5) for h in halves]
+    sum(p.sum() / denominator for p in parts).backward()
+    _assert_close(torch.cat(parts).detach(), whole.detach(), rtol=1e-6)
     _assert_close(s.grad, whole_grad, rtol=1e-6)
 
 
 def test_grad_output_scales_the_gradient_and_retain_graph_is_safe() -> None:
     s, t, mask = _inputs()
-    _, grad = _run("reverse_kl", s, t, mask)
+    w = torch.randn(s.shape[0], generator=torch.Generator().manual_seed(3))
+    _, grad = _run("reverse_kl", s, t, mask, weights=w)
     grad = grad.clone()
     s.grad = None
-    loss = reverse_kl(s, t, mask)
+    per_token = reverse_kl(s, t, mask)
+    loss = torch.where(mask, per_token * w, 0.0).sum()
     (3.0 * loss).backward(retain_graph=True)  # graph kept: the saved gradient must stay intact
     first = s.grad.clone()
     s.grad = None
-    (-0.5 * loss).backward()  # last backward: multiplied in place
+    (-0.5 * loss).backward()  # last backward: scaled in place
     torch.testing.assert_close(first, 3.0 * grad)
     torch.testing.assert_close(s.grad, -0.5 * grad)
 
@@ -334,27 +359,47 @@ def test_grad_output_scales_the_gradient_and_retain_graph_is_safe() -> None:
 def test_teacher_gets_no_gradient() -> None:
     s, t, mask = _inputs()
     t.requires_grad_()
-    reverse_kl(s, t, mask).backward()
+    reverse_kl(s, t, mask).sum().backward()
     assert t.grad is None and s.grad is not None
 
 
 @pytest.mark.parametrize(
-    "call",
+    "call, error",
     [
-        lambda s, t, m: reverse_kl(s, t[:, :-1], m),
-        lambda s, t, m: reverse_kl(s, t, m[:-1]),
-        lambda s, t, m: reverse_kl(s, t, m, normalize="sum", denominator=3.0),
-        lambda s, t, m: reverse_kl(s, t, m, normalize="mean"),
-        lambda s, t, m: reverse_kl(s, t, m, teacher_format="softmax"),
-        lambda s, t, m: reverse_kl(s, t, m, student_temperature=0.0),
-        lambda s, t, m: reverse_kl(s, t, m, impl="triton"),
-        lambda s, t, m: jsd(s, t, m, beta=1.5),
+        (lambda s, t, m: reverse_kl(s, t[:, :-1], m), ValueError),
+        (lambda s, t, m: reverse_kl(s, t, m[:-1]), ValueError),
+        (lambda s, t, m: reverse_kl(s[0], t[0], None), ValueError),
+        (lambda s, t, m: reverse_kl(s, t.long(), m), TypeError),
+        (lambda s, t, m: reverse_kl(s, t, m, teacher_format="softmax"), ValueError),
+        (lambda s, t, m: reverse_kl(s, t, m, temperature=0.0), ValueError),
+        (lambda s, t, m: reverse_kl(s, t, m, temperature=math.nan), ValueError),
+        (lambda s, t, m: reverse_kl(s, t, m, teacher_temperature=math.inf), ValueError),
+        (lambda s, t, m: reverse_kl(s, t, m, temperature="1"), TypeError),
+        (lambda s, t, m: reverse_kl(s, t, m, impl="triton"), ValueError),
+        (lambda s, t, m: reverse_kl(s, t, m, chunk_size=0), ValueError),
+        (lambda s, t, m: reverse_kl(s, t, m, chunk_size=2.5), ValueError),
+        (lambda s, t, m: reverse_kl(s, t, m, parallel="world"), TypeError),
+        (lambda s, t, m: jsd(s, t, m, beta=1.5), ValueError),
+        (lambda s, t, m: jsd(s, t, m, beta=math.nan), ValueError),
+        (lambda s, t, m: divergence("kl", s, t, m), ValueError),
     ],
 )
-def test_invalid_arguments_raise(call) -> None:
+def test_invalid_arguments_raise(call, error) -> None:
     s, t, mask = _inputs()
-    with pytest.raises(ValueError):
+    with pytest.raises(error):
         call(s, t, mask)
+
+
+def test_errors_name_the_argument() -> None:
+    s, t, mask = _inputs()
+    with pytest.raises(ValueError, match="chunk_size"):
+        reverse_kl(s, t, mask, chunk_size=0)
+    with pytest.raises(ValueError, match="teacher_temperature"):
+        reverse_kl(s, t, mask, teacher_temperature=math.nan)
+    with pytest.raises(ValueError, match="reverse_kl"):  # the choices are listed
+        divergence("kl", s, t, mask)
+    with pytest.raises(TypeError, match="VocabParallel"):
+        reverse_kl(s, t, mask, parallel="world")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -387,6 +432,7 @@ class _LargeAllocations(TorchDispatchMode):
 def test_graph_saves_only_the_gradient(kind: str, dtype: torch.dtype) -> None:
     n, v = 64, 50
     s, t, mask = _inputs(n=n, v=v, dtype=dtype)
+    w = torch.randn(n, generator=torch.Generator().manual_seed(1))
     saved: list[tuple[tuple[int, ...], torch.dtype]] = []
 
     def pack(x: torch.Tensor) -> torch.Tensor:
@@ -394,29 +440,29 @@ def test_graph_saves_only_the_gradient(kind: str, dtype: torch.dtype) -> None:
         return x
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
-        loss = LOSSES[kind](s, t, mask, chunk_size=8)
+        LOSSES[kind](s, t, mask, chunk_size=8)
     large = [entry for entry in saved if math.prod(entry[0]) >= n * v]
-    assert large == [((n, v), dtype)]  # the gradient, in the logits' dtype, and nothing else
+    assert large == [((n, v), dtype)]  # the gradient, in the logits' dtype
+    assert saved == [((n, v), dtype), ((n,), torch.bool)]  # and only the [N] mask besides
     with _LargeAllocations(n * v, [s, t]) as allocations:
-        loss = LOSSES[kind](s, t, mask, chunk_size=8)
-        loss.backward()
-    # one [N, V] buffer in forward+backward: the gradient (multiplied in place in backward and
-    # handed to .grad as is); chunks of 8 rows stay far below the threshold
+        per_token = LOSSES[kind](s, t, mask, chunk_size=8)
+        (per_token * w).sum().backward()
+    # one [N, V] buffer in forward+backward: the gradient (rows scaled in place in backward and handed
+    # to .grad as is); chunks of 8 rows stay far below the threshold
     assert len(allocations.fresh) == 1, allocations.fresh
     assert s.grad.untyped_storage().data_ptr() in allocations.seen
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("normalize", ["token", "position", "sum"])
-def test_no_syncs_in_forward_and_backward(kind: str, normalize: str) -> None:
+def test_no_syncs_in_forward_and_backward(kind: str) -> None:
     s, t, mask = _inputs(n=12)
+    w = torch.rand(12)
     with OpCounter() as counter:
-        loss = LOSSES[kind](s, t, mask, normalize=normalize, chunk_size=5)
-        loss.backward()
+        per_token = LOSSES[kind](s, t, mask, chunk_size=5)
+        (torch.where(mask, per_token * w, 0.0).sum() / mask.sum().clamp(min=1)).backward()
     assert counter.num_syncs == 0, counter.syncs
     with OpCounter() as counter:
-        loss = LOSSES[kind](s, t, mask, denominator=mask.sum(), chunk_size=5)
-        loss.backward()
+        LOSSES[kind](s, t, None, chunk_size=5).sum().backward()
     assert counter.num_syncs == 0, counter.syncs
 
 
@@ -431,28 +477,11 @@ def test_compiled_matches_eager_without_recompiling_per_n() -> None:
     graphs = []
     for n in (12, 19):  # chunks of 5: heights 5 and 2, then 5 and 4
         s, t, mask = _inputs(n=n, v=33, seed=n)
-        loss, grad = _run("reverse_kl", s, t, mask, chunk_size=5, impl="compiled")
+        w = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        per_token, grad = _run("reverse_kl", s, t, mask, weights=w, chunk_size=5, impl="compiled")
         grad = grad.clone()
-        eager_loss, eager_grad = _run("reverse_kl", s, t, mask, chunk_size=5, impl="eager")
-        _assert_close(loss, eager_loss, rtol=1e-5)
+        eager_per_token, eager_grad = _run("reverse_kl", s, t, mask, weights=w, chunk_size=5, impl="eager")
+        _assert_close(per_token, eager_per_token, rtol=1e-5)
         _assert_close(grad, eager_grad, rtol=1e-5)
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[1] == graphs[0]  # the second batch size reused the first compilation
-
-
-# ---------------------------------------------------------------------------------------------------
-# Benchmark suite plumbing (tiny, in-process; figures come from `packloss bench distill`)
-# ---------------------------------------------------------------------------------------------------
-
-
-def test_bench_measure_variant_reports_figures() -> None:
-    from packloss.bench.distill import _measure_variant
-
-    rows = [
-        _measure_variant(variant, n=32, v=64, device="cpu", dtype="float32", warmup=0, repeat=1)
-        for variant in ("naive_eager", "packloss_eager")
-    ]
-    for row in rows:
-        assert row["shape"] == "32x64" and row["time_ms"] > 0 and row["peak_bytes"] >= 0
-        assert {"peak_ratio_vs_inputs", "logits_bytes", "loss"} <= row.keys()
-    assert math.isclose(rows[0]["loss"], rows[1]["loss"], rel_tol=1e-5)

@@ -1,19 +1,21 @@
-"""packloss.head: fused log-probs / entropy / distillation against materialised autograd references."""
+"""packloss.vocab.head: fused log-probs / entropy / distillation against materialised autograd references."""
 
 from __future__ import annotations
 
-import socket
+import math
 from typing import NamedTuple
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-from packloss import distill
-from packloss.head import linear_distill, linear_logprobs
-from packloss.testing import OpCounter
+from packloss.testing import OpCounter, run_gloo
+from packloss.vocab.core import VocabParallel
+from packloss.vocab.distill import divergence
+from packloss.vocab.head import linear_distill, linear_logprobs
 
 IGNORE = -100
 
@@ -195,12 +197,13 @@ def test_distill_no_syncs_and_no_n_by_v_allocation():
     teacher_h, teacher_w, _, _ = _inputs(n, h, v, seed=3)
     mask = torch.arange(n) % 3 > 0
     with OpCounter() as counter, MaxNumel() as sizes:
-        loss = linear_distill(
+        loss, _ = linear_distill(
             hidden,
             weight,
             teacher_hidden=teacher_h.detach(),
             teacher_weight=teacher_w.detach(),
             loss_mask=mask,
+            coefficients=torch.rand(n),
             kind="jsd",
             chunk_size=8,
         )
@@ -209,50 +212,193 @@ def test_distill_no_syncs_and_no_n_by_v_allocation():
     assert sizes.max_numel < n * v
 
 
-def _distill_reference(kind, hidden, weight, teacher_logits, mask, beta, t_s, t_t, normalize):
-    extra = {"beta": beta} if kind == "jsd" else {}
-    fn = getattr(distill, kind)
-    return fn(
-        hidden @ weight.T,
-        teacher_logits,
-        mask,
-        student_temperature=t_s,
-        teacher_temperature=t_t,
-        normalize=normalize,
-        **extra,
-    )
+KINDS = ["reverse_kl", "forward_kl", "jsd", "soft_cross_entropy"]
 
 
-@pytest.mark.parametrize("kind", ["reverse_kl", "forward_kl", "jsd", "soft_cross_entropy"])
+def _naive_per_token(kind, s, t, beta, temperature, teacher_temperature):
+    """``[N]`` divergences by autograd-able float64 formulas on materialised ``[N, V]`` logits."""
+    log_q = F.log_softmax(s.double() / temperature, dim=-1)
+    log_p = F.log_softmax(t.double() / teacher_temperature, dim=-1)
+    q, p = log_q.exp(), log_p.exp()
+    if kind == "reverse_kl":
+        return (q * (log_q - log_p)).sum(-1)
+    if kind == "forward_kl":
+        return (p * (log_p - log_q)).sum(-1)
+    if kind == "soft_cross_entropy":
+        return -(p * log_q).sum(-1)
+    log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))
+    return beta * (p * (log_p - log_m)).sum(-1) + (1 - beta) * (q * (log_q - log_m)).sum(-1)
+
+
+def _coefficients(which: str, mask: torch.Tensor) -> torch.Tensor | None:
+    """``"ones"``: None (1 on the members); ``"token"``: a token mean; ``"random"``: both signs, NaN off
+    the members (they must contribute exactly 0)."""
+    if which == "ones":
+        return None
+    if which == "token":
+        return mask.float() / mask.sum()
+    c = torch.randn(mask.shape[0], generator=torch.Generator().manual_seed(8))
+    return torch.where(mask, c, math.nan)
+
+
+def _masked_sum(per_token, coefficients, mask):
+    """``Σ_{mask} c_t L_t`` by autograd (the coefficients zeroed off the mask first: no 0 · NaN)."""
+    c = torch.ones_like(per_token) if coefficients is None else coefficients.to(per_token.dtype)
+    return (per_token * torch.where(mask, c, 0.0)).sum()
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("teacher", ["logits", "head"])
-@pytest.mark.parametrize("normalize", ["token", "sum"])
-def test_distill_matches_materialised(kind, teacher, normalize):
+@pytest.mark.parametrize("coefficients", ["ones", "token", "random"])
+def test_distill_matches_naive_autograd(kind, teacher, coefficients):
+    """``Σ_t c_t L_t`` and its gradients w.r.t. hidden and weight against autograd through the
+    materialised float64 logits, and the per-token output against the naive per-token values."""
     hidden, weight, _, _ = _inputs(37, 16, 53)
     teacher_h, teacher_w, _, _ = _inputs(37, 12, 53, seed=5)
     teacher_h, teacher_w = teacher_h.detach(), teacher_w.detach()
     teacher_logits = teacher_h @ teacher_w.T  # [N, V]
     mask = torch.arange(37) % 4 != 1
+    c = _coefficients(coefficients, mask)
     source = (
         {"teacher_logits": teacher_logits}
         if teacher == "logits"
         else {"teacher_hidden": teacher_h, "teacher_weight": teacher_w}
     )
-    loss = linear_distill(
-        hidden,
-        weight,
-        **source,
-        loss_mask=mask,
-        kind=kind,
-        beta=0.3,
-        student_temperature=1.3,
-        teacher_temperature=0.8,
-        normalize=normalize,
-        chunk_size=8,
-    )
-    got = (loss, *torch.autograd.grad(loss * 2.0, [hidden, weight]))
-    ref = _distill_reference(kind, hidden, weight, teacher_logits, mask, 0.3, 1.3, 0.8, normalize)
-    want = (ref, *torch.autograd.grad(ref * 2.0, [hidden, weight]))
+    loss, per_token = linear_distill(
+        hidden, weight, **source, loss_mask=mask, coefficients=c, kind=kind, beta=0.3, temperature=1.3,
+        teacher_temperature=0.8, chunk_size=8,
+    )  # fmt: skip
+    assert not per_token.requires_grad and per_token.shape == (37,)
+    assert torch.equal(per_token[~mask], torch.zeros(int((~mask).sum())))
+    got = (loss, per_token, *torch.autograd.grad(loss * 2.0, [hidden, weight]))
+    h64, w64 = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ref_per_token = _naive_per_token(kind, h64 @ w64.T, teacher_logits, 0.3, 1.3, 0.8)
+    ref = _masked_sum(ref_per_token, c, mask)
+    want = (ref, torch.where(mask, ref_per_token, 0.0), *torch.autograd.grad(ref * 2.0, [h64, w64]))
     _assert_close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_distill_equals_divergence_on_materialised_logits(kind):
+    """The fused head and the logits path share one core: same per-token values and gradients."""
+    hidden, weight, _, _ = _inputs(29, 16, 41)
+    teacher = torch.randn(29, 41, generator=torch.Generator().manual_seed(2))
+    mask = torch.arange(29) % 3 != 0
+    c = _coefficients("random", mask)
+    loss, per_token = linear_distill(hidden, weight, teacher, kind=kind, loss_mask=mask, coefficients=c, chunk_size=6)
+    got = (loss, per_token, *torch.autograd.grad(loss, [hidden, weight]))
+    ref_per_token = divergence(kind, hidden @ weight.T, teacher, mask, chunk_size=6)
+    ref = _masked_sum(ref_per_token, c, mask)
+    want = (ref, ref_per_token.detach(), *torch.autograd.grad(ref, [hidden, weight]))
+    _assert_close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("teacher_format", ["logprobs", "probs"])
+def test_distill_teacher_format(teacher_format):
+    hidden, weight, _, _ = _inputs(13, 8, 30)
+    logits = torch.randn(13, 30, generator=torch.Generator().manual_seed(4))
+    log_p = torch.log_softmax(logits, dim=-1)
+    given = log_p if teacher_format == "logprobs" else log_p.exp()
+    kw = dict(kind="forward_kl", teacher_temperature=0.7, chunk_size=4)
+    loss, per_token = linear_distill(hidden, weight, given, teacher_format=teacher_format, **kw)
+    ref_loss, ref_per_token = linear_distill(hidden, weight, logits, **kw)
+    _assert_close((loss, per_token), (ref_loss, ref_per_token), 1e-5)
+
+
+def test_distill_float64_gradcheck():
+    hidden, weight, _, _ = _inputs(7, 5, 11, dtype=torch.float64)
+    teacher = torch.randn(7, 11, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([1, 0, 1, 1, 0, 1, 1], dtype=torch.bool)
+    c = torch.rand(7, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+
+    def fn(h, w):
+        return linear_distill(h, w, teacher, kind="jsd", beta=0.4, temperature=1.3, loss_mask=mask, coefficients=c,
+                              chunk_size=3)[0]  # fmt: skip
+
+    assert torch.autograd.gradcheck(fn, (hidden, weight))
+
+
+@pytest.mark.parametrize("garbage", [math.inf, math.nan])
+def test_distill_non_member_rows_never_leak(garbage):
+    hidden, weight, _, _ = _inputs(12, 8, 30)
+    teacher = torch.randn(12, 30, generator=torch.Generator().manual_seed(6))
+    mask = torch.arange(12) % 3 != 0
+    c = _coefficients("random", mask)
+    clean_c = torch.where(mask, c, 0.0)
+    clean = linear_distill(hidden, weight, teacher, loss_mask=mask, coefficients=clean_c, chunk_size=5)
+    clean = (*clean, *torch.autograd.grad(clean[0], [hidden, weight]))
+    dirty_h, dirty_t = hidden.detach().clone(), teacher.clone()
+    dirty_h[~mask], dirty_t[~mask] = garbage, garbage
+    dirty_h.requires_grad_()
+    dirty = linear_distill(dirty_h, weight, dirty_t, loss_mask=mask, coefficients=c, chunk_size=5)  # NaN c off mask
+    dirty = (*dirty, *torch.autograd.grad(dirty[0], [dirty_h, weight]))
+    for a, b in zip(dirty, clean, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_distill_compiled_matches_eager():
+    """``impl="compiled"`` runs the same chunk core under ``torch.compile`` (one compile: a few seconds)."""
+    hidden, weight, _, _ = _inputs(19, 8, 33)
+    teacher = torch.randn(19, 33, generator=torch.Generator().manual_seed(7))
+    mask = torch.arange(19) % 4 != 2
+    c = _coefficients("random", mask)
+    outs = []
+    for impl in ("compiled", "eager"):
+        kw = dict(loss_mask=mask, coefficients=c, chunk_size=5, impl=impl)
+        loss, per_token = linear_distill(hidden, weight, teacher, **kw)
+        outs.append((loss, per_token, *torch.autograd.grad(loss, [hidden, weight])))
+    _assert_close(outs[0], outs[1], 1e-5)
+
+
+class _FreshAllocations(TorchDispatchMode):
+    """Op outputs of at least ``threshold`` elements on storage not seen before."""
+
+    def __init__(self, threshold: int, known_ptrs: set[int]) -> None:
+        super().__init__()
+        self.threshold, self.fresh, self.seen = threshold, [], set(known_ptrs)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in tree_leaves(out):
+            if isinstance(x, torch.Tensor) and x.numel() >= self.threshold:
+                if x.untyped_storage().data_ptr() not in self.seen:
+                    self.seen.add(x.untyped_storage().data_ptr())
+                    self.fresh.append(str(func))
+        return out
+
+
+def test_distill_backward_scales_the_saved_gradients_in_place():
+    """The gradients handed to hidden and weight are the buffers saved by the forward (scaled in place),
+    and the backward allocates nothing gradient-sized; a retained graph keeps them intact."""
+    n, h, v = 40, 24, 30
+    hidden, weight, _, _ = _inputs(n, h, v)
+    teacher = torch.randn(n, v, generator=torch.Generator().manual_seed(3))
+    saved_ptrs, reference = [], []  # no reference to the saved tensors themselves is kept here
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        saved_ptrs.append(x.untyped_storage().data_ptr())
+        reference.append(x.clone())
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        loss, _ = linear_distill(hidden, weight, teacher, chunk_size=8)
+    assert [r.shape for r in reference] == [(n, h), (v, h)]  # d_hidden and d_weight, nothing else
+    arrived = []
+    hidden.register_hook(lambda g: arrived.append(g.untyped_storage().data_ptr()))
+    weight.register_hook(lambda g: arrived.append(g.untyped_storage().data_ptr()))
+    (3.0 * loss).backward(retain_graph=True)  # kept graph: out of place, the saved gradients survive
+    assert not set(saved_ptrs) & set(arrived)
+    torch.testing.assert_close(hidden.grad, 3.0 * reference[0])
+    torch.testing.assert_close(weight.grad, 3.0 * reference[1])
+    hidden.grad = weight.grad = None
+    arrived.clear()
+    known = {x.untyped_storage().data_ptr() for x in (hidden, weight, teacher)} | set(saved_ptrs)
+    with _FreshAllocations(min(n, v) * h, known) as allocations:
+        (-0.5 * loss).backward()
+    assert sorted(arrived) == sorted(saved_ptrs)  # the saved buffers themselves, scaled in place
+    assert allocations.fresh == [], allocations.fresh  # no second gradient-sized buffer
+    torch.testing.assert_close(hidden.grad, -0.5 * reference[0])
+    torch.testing.assert_close(weight.grad, -0.5 * reference[1])
 
 
 @pytest.mark.parametrize(
@@ -265,11 +411,22 @@ def test_distill_matches_materialised(kind, teacher, normalize):
         (lambda h, w, y: linear_logprobs(h[0], w, y), ValueError),
         (lambda h, w, y: linear_logprobs(h, w, y, temperature=torch.ones(3)), ValueError),
         (lambda h, w, y: linear_logprobs(h, w, y, temperature=0.0), ValueError),
+        (lambda h, w, y: linear_logprobs(h, w, y, temperature=math.nan), ValueError),
         (lambda h, w, y: linear_logprobs(h, w, y, chunk_size=0), ValueError),
+        (lambda h, w, y: linear_logprobs(h, w, y, vocab_chunk_size=0), ValueError),
         (lambda h, w, y: linear_logprobs(h, w, y, return_entropy=False, entropy_grad=True), ValueError),
+        (lambda h, w, y: linear_logprobs(h, w, y, parallel=object()), TypeError),
         (lambda h, w, y: linear_distill(h, w), ValueError),
         (lambda h, w, y: linear_distill(h, w, torch.zeros(20, 29)), ValueError),
         (lambda h, w, y: linear_distill(h, w, torch.zeros(20, 30), kind="kl"), ValueError),
+        (lambda h, w, y: linear_distill(h, w, torch.zeros(20, 30), temperature=math.nan), ValueError),
+        (lambda h, w, y: linear_distill(h, w, torch.zeros(20, 30), beta=-0.1), ValueError),
+        (lambda h, w, y: linear_distill(h, w, torch.zeros(20, 30), chunk_size=0), ValueError),
+        (lambda h, w, y: linear_distill(h, w, torch.zeros(20, 30), impl="triton"), ValueError),
+        (lambda h, w, y: linear_distill(h, w, torch.zeros(20, 30), coefficients=torch.ones(19)), ValueError),
+        (lambda h, w, y: linear_distill(h, w, torch.zeros(20, 30), coefficients=y), TypeError),
+        (lambda h, w, y: linear_distill(h, w, teacher_hidden=h, teacher_weight=w, teacher_format="probs"), ValueError),
+        (lambda h, w, y: linear_distill(h, w, torch.zeros(20, 30), teacher_hidden=h, teacher_weight=w), ValueError),
     ],
 )
 def test_bad_arguments_raise(call, error):
@@ -281,17 +438,10 @@ def test_bad_arguments_raise(call, error):
 # ----------------------------------------------------------------------------------------------
 # vocab-parallel over 2 gloo processes
 
-WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 class _Run(NamedTuple):
-    """One vocab-parallel case: ``case`` is ``"logprobs"`` or a distillation kind."""
+    """One vocab-parallel case: ``case`` is ``"logprobs"``, a distillation kind (fused head) or
+    ``"logits:<kind>"`` (per-token divergence of sharded logits)."""
 
     case: str
     v: int
@@ -310,6 +460,8 @@ _PARALLEL_RUNS = [
     _Run("jsd", 30, False, beta=0.0, teacher="logits"),
     _Run("jsd", 31, True, beta=1.0, teacher="head"),
     _Run("soft_cross_entropy", 30, True, teacher="logits"),
+    _Run("logits:reverse_kl", 31, True),
+    _Run("logits:jsd", 30, False, beta=0.3),
 ]
 _N, _H, _DISTILL_CHUNK = 23, 12, 6
 
@@ -321,9 +473,9 @@ def _parallel_inputs(v: int):
     return hidden.detach(), weight.detach(), labels, temps, teacher_h.detach(), teacher_w.detach()
 
 
-def _distill_outputs(run: _Run, hidden, w, teacher_h, teacher_w, mask, start, stop, group):
-    """``(loss,)`` of a distillation run on the vocabulary rows ``[start, stop)``; the teacher tensors
-    require grad, and the loss must not reach them."""
+def _distill_outputs(run: _Run, hidden, w, teacher_h, teacher_w, mask, start, stop, parallel):
+    """``(loss, per_token)`` of a distillation run on the vocabulary rows ``[start, stop)``; the teacher
+    tensors require grad, and the loss must not reach them."""
     teacher_h, teacher_w = teacher_h.requires_grad_(), teacher_w.requires_grad_()
     if run.teacher == "logits":
         teacher_logits = (teacher_h.detach() @ teacher_w.detach().T).requires_grad_()  # [N, V]
@@ -331,49 +483,44 @@ def _distill_outputs(run: _Run, hidden, w, teacher_h, teacher_w, mask, start, st
     else:
         source = {"teacher_hidden": teacher_h, "teacher_weight": teacher_w[start:stop]}
         teacher_leaves = [teacher_h, teacher_w]
-    loss = linear_distill(
-        hidden,
-        w,
-        **source,
-        loss_mask=mask,
-        kind=run.case,
-        beta=run.beta,
-        student_temperature=1.2,
-        teacher_temperature=0.8,
-        chunk_size=_DISTILL_CHUNK,
-        group=group,
-    )
+    coefficients = torch.linspace(-1.0, 2.0, _N)
+    loss, per_token = linear_distill(
+        hidden, w, **source, loss_mask=mask, coefficients=coefficients, kind=run.case, beta=run.beta,
+        temperature=1.2, teacher_temperature=0.8, chunk_size=_DISTILL_CHUNK, parallel=parallel,
+    )  # fmt: skip
     assert torch.autograd.grad(loss, teacher_leaves, retain_graph=True, allow_unused=True) == (None,) * len(
         teacher_leaves
     ), "the teacher received a gradient"
-    return (loss,)
+    return (loss,), [per_token]
 
 
-def _run_case(run: _Run, start: int, stop: int, group) -> list[torch.Tensor]:
-    """Outputs, ``d_hidden`` and ``d_weight`` of one run computed with the vocabulary rows
-    ``[start, stop)`` (all of them and ``group=None`` for the single-process result)."""
+def _run_case(run: _Run, start: int, stop: int, parallel) -> list[torch.Tensor]:
+    """Outputs and gradients of one run computed with the vocabulary rows ``[start, stop)`` (all of
+    them and ``parallel=None`` for the single-process result)."""
     hidden, weight, labels, temps, teacher_h, teacher_w = _parallel_inputs(run.v)
     hidden.requires_grad_()
     w = weight[start:stop].clone().requires_grad_()
+    g = torch.Generator().manual_seed(4)
+    if run.case.startswith("logits:"):  # gradient w.r.t. this shard's logits columns
+        logits = (hidden.detach() @ w.detach().T).requires_grad_()  # [N, V_local]
+        teacher = (teacher_h @ teacher_w.T)[:, start:stop]
+        per_token = divergence(
+            run.case.split(":")[1], logits, teacher, labels != IGNORE, beta=run.beta, temperature=1.2,
+            teacher_temperature=0.8, chunk_size=_DISTILL_CHUNK, parallel=parallel,
+        )  # fmt: skip
+        (d_logits,) = torch.autograd.grad((per_token * torch.randn(_N, generator=g)).sum(), [logits])
+        return [per_token.detach(), d_logits]
+    extra = []
     if run.case == "logprobs":
         outs = linear_logprobs(
-            hidden,
-            w,
-            labels,
-            temperature=temps,
-            chunk_size=7,
-            vocab_chunk_size=5,
-            softcap=4.0,
-            entropy_grad=True,
-            group=group,
-            vocab_start=None if group is None else start,
-        )
+            hidden, w, labels, temperature=temps, chunk_size=7, vocab_chunk_size=5, softcap=4.0, entropy_grad=True,
+            parallel=None if parallel is None else VocabParallel(parallel.group, vocab_start=start),
+        )  # fmt: skip
     else:
-        outs = _distill_outputs(run, hidden, w, teacher_h, teacher_w, labels != IGNORE, start, stop, group)
-    g = torch.Generator().manual_seed(4)
+        outs, extra = _distill_outputs(run, hidden, w, teacher_h, teacher_w, labels != IGNORE, start, stop, parallel)
     loss = sum((o * torch.randn(o.shape, generator=g)).sum() for o in outs)
     d_h, d_w = torch.autograd.grad(loss, [hidden, w])
-    return [o.detach() for o in outs] + [d_h, d_w]
+    return [o.detach() for o in (*outs, *extra)] + [d_h, d_w]
 
 
 def _shards(v: int, uneven: bool) -> list[tuple[int, int]]:
@@ -417,7 +564,7 @@ class _Collectives:
 
         def forbidden(name: str):
             def call(*args, **kwargs):
-                raise AssertionError(f"vocab-parallel linear_distill must not call dist.{name}")
+                raise AssertionError(f"vocab-parallel losses must not call dist.{name}")
 
             return call
 
@@ -434,47 +581,38 @@ class _Collectives:
 
 def _expected_distill_collectives(run: _Run) -> list[tuple[str, tuple[int, ...]]]:
     """Per token chunk of height C: MAX and SUM of the ``[2, C]`` log-normalisers, SUM of the
-    ``[k, C]`` partial sums (k = 2 for JSD strictly inside (0, 1)); then SUM of ``d_hidden [N, H]``."""
-    k = 2 if run.case == "jsd" and 0.0 < run.beta < 1.0 else 1
+    ``[k, C]`` partial sums (k = 2 for JSD strictly inside (0, 1)); then, for the fused head, SUM of
+    ``d_hidden [N, H]``."""
+    kind = run.case.removeprefix("logits:")
+    k = 2 if kind == "jsd" and 0.0 < run.beta < 1.0 else 1
     calls = []
     for t0 in range(0, _N, _DISTILL_CHUNK):
         c = min(_DISTILL_CHUNK, _N - t0)
         calls += [("max", (2, c)), ("sum", (2, c)), ("sum", (k, c))]
-    return calls + [("sum", (_N, _H))]
+    return calls if run.case.startswith("logits:") else calls + [("sum", (_N, _H))]
 
 
-def _worker(rank: int, port: int, path: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
-    try:
-        results, collectives = [], []  # aligned with _PARALLEL_RUNS
-        for run in _PARALLEL_RUNS:
-            start, stop = _shards(run.v, run.uneven)[rank]
-            with _Collectives() as comm:
-                results.append(_run_case(run, start, stop, dist.group.WORLD))
-            collectives.append(comm.calls)
-        torch.save({"results": results, "collectives": collectives}, f"{path}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _worker(rank: int, world_size: int) -> dict:
+    results, collectives = [], []  # aligned with _PARALLEL_RUNS
+    for run in _PARALLEL_RUNS:
+        start, stop = _shards(run.v, run.uneven)[rank]
+        with _Collectives() as comm:
+            results.append(_run_case(run, start, stop, VocabParallel(dist.group.WORLD)))
+        collectives.append(comm.calls)
+    return {"results": results, "collectives": collectives}
 
 
-def test_vocab_parallel_matches_single_process(tmp_path):
-    port = _free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, port, str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert [p.exitcode for p in procs] == [0] * WORLD, "a vocab-parallel worker failed or hung"
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+def test_vocab_parallel_matches_single_process():
+    ranks = run_gloo(_worker, world_size=2, timeout=120)
     for i, run in enumerate(_PARALLEL_RUNS):
         want = _run_case(run, 0, run.v, None)
         for rank, (start, stop) in enumerate(_shards(run.v, run.uneven)):
             got = ranks[rank]["results"][i]
-            _assert_close(got[:-1], want[:-1], 1e-5)  # values and d_hidden: the full result on every rank
-            _assert_close([got[-1]], [want[-1][start:stop]], 1e-5)  # d_weight: this rank's rows
+            # values and d_hidden: the full result on every rank; the last gradient: this rank's
+            # rows of d_weight (columns of d_logits)
+            _assert_close(got[:-1], want[:-1], 1e-5)
+            last = want[-1][:, start:stop] if run.case.startswith("logits:") else want[-1][start:stop]
+            _assert_close([got[-1]], [last], 1e-5)
             if run.case != "logprobs":  # per-token scalars only: nothing of size C × V is communicated
                 assert ranks[rank]["collectives"][i] == _expected_distill_collectives(run), run
+

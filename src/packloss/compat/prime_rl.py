@@ -34,8 +34,8 @@ from torch import Tensor
 
 from packloss.core.components import ComponentInputs, ComponentOutput, masked_mean, upcast
 from packloss.core.engine import compute_loss as _engine_compute_loss
-from packloss.core.plan import Component, Outputs, Plan
 from packloss.core.pg import REF_KL, PGParams, pg_loss
+from packloss.core.plan import Component, Outputs, Plan
 
 __all__ = [
     "LossInputs",
@@ -251,7 +251,9 @@ class _LossFnComponent:
             raise TypeError(f"the {inputs.name} loss function must return LossOutputs, got {type(out).__name__}")
         loss = upcast(out.loss)
         if loss.dim() != 0:
-            raise ValueError(f"the {inputs.name} loss function returned a loss of shape {tuple(loss.shape)}, not a scalar")
+            raise ValueError(
+                f"the {inputs.name} loss function returned a loss of shape {tuple(loss.shape)}, not a scalar"
+            )
         return ComponentOutput(per_token=None, metrics=out.metrics, counts=out.counts, loss=loss / comp.constant)
 
 
@@ -326,9 +328,7 @@ def compute_loss(
     if streams["ref_kl_weights"] is not None and streams["ref_logprobs"] is None:
         raise ValueError("ref_kl_weights is given but ref_logprobs is None: the ref_kl component needs them")
     components = {
-        "rl": Component(
-            _LossFnComponent(rl_loss_fn), streams["loss_mask"], streams["rl_weights"], "constant", rl_scale
-        )
+        "rl": Component(_LossFnComponent(rl_loss_fn), streams["loss_mask"], streams["rl_weights"], "constant", rl_scale)
     }
     if streams["ce_weights"] is not None:
         components["ce"] = Component(_LossFnComponent(ce_loss_fn), None, streams["ce_weights"], "constant", ce_scale)

@@ -3,7 +3,8 @@
 ``total = Σ_c term_c`` with ``term_c = Σ_t m_t · w_t · ℓ_t / d_t / D`` (see
 :mod:`packloss.core.normalize`). No step reads a device value on the host, and the number of tensor
 operations does not depend on the number of sequences. The loss is always attached to the graph of
-the given outputs, so every rank runs backward even when every component is empty.
+the given outputs (through a zero over empty slices when no component's term is), so every rank runs
+backward even when every component is empty.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def compute_loss(
     outputs.check(plan)
     dtype = _compute_dtype(outputs)
 
-    total: Tensor | None = outputs.anchor()
+    total: Tensor | None = None
     metrics: dict[str, Tensor] = {}
     counts: dict[str, Tensor] = {}
     per_token: dict[str, Tensor] = {}
@@ -96,6 +97,10 @@ def compute_loss(
         if out.per_token is not None:
             per_token[name] = torch.where(agg.mask, upcast(out.per_token), 0.0)
         _collect_metrics(name, out, inputs, metrics, counts)
+    if total is None or not total.requires_grad:
+        anchor = outputs.anchor()
+        if anchor is not None:
+            total = anchor if total is None else total + anchor
     return LossResult(loss=total, metrics=metrics, counts=counts, per_token=per_token, terms=terms)
 
 

@@ -135,7 +135,9 @@ class StepDenominators:
                     f"were counted for {counted}"
                 )
         if plan.group_ids is not None and plan.num_groups > self.num_groups and self.num_groups:
-            raise ValueError(f"plan group_ids reach {plan.num_groups - 1} but the denominators count {self.num_groups} groups")
+            raise ValueError(
+                f"plan group_ids reach {plan.num_groups - 1} but the denominators count {self.num_groups} groups"
+            )
 
 
 def _describe(mode: Mode) -> str:
@@ -239,7 +241,9 @@ def aggregation(plan: Plan, name: str, denominators: StepDenominators | None, dt
         denominator = denominators.denominator(name).to(dtype)
     else:
         local = _local_counts(plan, name, mode, plan.num_groups, dtype)
-        denominator = (local > 0).sum(dtype=dtype).clamp_min(1) if mode is Normalize.GROUP_MEAN else local[0].clamp_min(1)
+        denominator = (
+            (local > 0).sum(dtype=dtype).clamp_min(1) if mode is Normalize.GROUP_MEAN else local[0].clamp_min(1)
+        )
     if mode is Normalize.SEQUENCE_MEAN:
         per_seq = segment_count(m, plan.layout.seq_ids, plan.num_seqs).to(dtype)  # [S]
         divisor = broadcast(per_seq.clamp_min(1), plan.layout.seq_ids)  # [N]

@@ -320,7 +320,9 @@ class Outputs:
                 raise TypeError(f"outputs.{name} must be a floating-point tensor, got {value.dtype}")
         if (self.hidden is None) != (self.head_weight is None):
             raise ValueError("outputs.hidden and outputs.head_weight go together: give both or neither")
-        if self.hidden is not None and (self.head_weight.dim() != 2 or self.head_weight.shape[1] != self.hidden.shape[-1]):
+        if self.hidden is not None and (
+            self.head_weight.dim() != 2 or self.head_weight.shape[1] != self.hidden.shape[-1]
+        ):
             raise ValueError(
                 f"outputs.head_weight must be [V, H] with H={self.hidden.shape[-1]}, got {list(self.head_weight.shape)}"
             )
@@ -347,7 +349,7 @@ class Outputs:
 
     def anchor(self) -> Tensor | None:
         """A float32 zero attached to every given output's graph, reading no value (sums over empty
-        slices): keeps the loss backward-able, on every rank, when every component is empty."""
+        slices): keeps the loss backward-able, on every rank, when no component's term is attached."""
         zero = None
         for name in (*_OUTPUT_SHAPES, "head_weight"):
             value = getattr(self, name)

@@ -3,7 +3,7 @@
 Two entry points, one convention:
 
 * :func:`causal_lm_logprobs` ``(model, input_ids, labels, *, temperature, ...)`` runs the backbone
-  ``model.model`` and the fused head (:func:`packloss.head.linear_logprobs`) on
+  ``model.model`` and the fused head (:func:`packloss.vocab.head.linear_logprobs`) on
   ``model.lm_head.weight`` and returns a :class:`FusedCausalLMOutput`.
 * :func:`patch_causal_lm` ``(model)`` makes ``model(input_ids, labels=..., temperature=...)`` do the
   same. Without ``labels`` the patched model runs its original forward (logits), so ``generate``
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from packloss.head import DEFAULT_CHUNK_SIZE, DEFAULT_VOCAB_CHUNK_SIZE, linear_logprobs
+from packloss.vocab.head import DEFAULT_VOCAB_CHUNK_SIZE, linear_logprobs
 
 __all__ = ["FusedCausalLMOutput", "causal_lm_logprobs", "next_token_labels", "patch_causal_lm"]
 
@@ -75,13 +75,15 @@ def causal_lm_logprobs(
     return_entropy: bool = True,
     entropy_grad: bool = False,
     ignore_index: int = -100,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
     **model_kwargs,
 ) -> FusedCausalLMOutput:
     """Log-probs ``[B, S]`` of ``labels`` (aligned with positions) and entropy, via the fused head.
 
-    ``model_kwargs`` (``attention_mask``, ``position_ids``, ``inputs_embeds``, …) go to ``model.model``.
+    ``model_kwargs`` (``attention_mask``, ``position_ids``, ``inputs_embeds``, …) go to ``model.model``;
+    ``chunk_size`` (None: the chunk policy of :func:`~packloss.vocab.core.chunk_rows`) and
+    ``vocab_chunk_size`` to :func:`~packloss.vocab.head.linear_logprobs`.
     """
     _check_model(model)
     out = model.model(input_ids=input_ids, **model_kwargs)
@@ -117,7 +119,7 @@ def causal_lm_logprobs(
 
 def patch_causal_lm(
     model: torch.nn.Module,
-    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    chunk_size: int | None = None,
     vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
 ) -> torch.nn.Module:
     """Make ``model(input_ids, labels=..., temperature=..., return_entropy=..., entropy_grad=...,

@@ -4,9 +4,10 @@ Before prime-rl PR #2951 a custom loss was called once per packed sequence; pack
 after the PR) calls it once over the whole bin. A loss that is additive over sequences gives the
 same total either way; one that normalises by "whatever it was called on" (a per-sequence mean,
 a sequence-level ratio) silently changes meaning. This module calls the function both ways —
-:func:`packloss.reference.compute_loss` (per sequence) and :func:`packloss.compat.prime_rl.compute_loss`
-(vectorised) — over several random packed bins and compares the losses and the gradients with
-respect to the trainer log-probs.
+:func:`packloss.testing.reference.compute_loss` (per sequence) and
+:func:`packloss.compat.prime_rl.compute_loss` (vectorised) — over several random packed bins
+(:func:`packloss.testing.make_archetype`) and compares the losses and the gradients with respect to
+the trainer log-probs.
 """
 
 from __future__ import annotations
@@ -20,10 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from packloss import reference
-from packloss.batch import PackedBatch
 from packloss.compat import prime_rl
-from packloss.testing import make_archetype, random_seq_lens
+from packloss.testing import Streams, make_archetype, random_seq_lens, reference
 
 __all__ = [
     "CheckError",
@@ -51,7 +50,7 @@ normaliser) must use the packing layout that LossInputs carries:
   inputs.seq_ids     [N] long, the sequence index of every token
   inputs.cu_seqlens  [S+1] int32, the sequence offsets
   inputs.num_seqs    S, a host int
-with the sync-free segment reductions of packloss.segments (segment_sum, segment_count,
+with the sync-free segment reductions of packloss.core.segments (segment_sum, segment_count,
 segment_mean, segment_max, segment_min, broadcast), never a Python loop or x[mask]. For example a
 per-sequence token mean:
   count = broadcast(segment_count(m, inputs.seq_ids, inputs.num_seqs), inputs.seq_ids)
@@ -115,38 +114,28 @@ def parse_kwargs(text: str | None) -> dict:
     return kwargs
 
 
-def _bin(archetype: str, num_tokens: int, num_seqs: int, seed: int) -> PackedBatch:
+def _bin(archetype: str, num_tokens: int, num_seqs: int, seed: int) -> Streams:
     g = torch.Generator().manual_seed(seed)
     return make_archetype(archetype, random_seq_lens(num_tokens, num_seqs, g), seed=seed)
 
 
-def _lists(batch: PackedBatch) -> dict:
-    """compute_loss's list arguments: per-sequence views of the bin (one leaf for the gradients)."""
-    names = ("trainer_logprobs", "inference_logprobs", "ref_logprobs", "advantages", "loss_mask")
-    names += ("rl_weights", "ce_weights", "ref_kl_weights")
-    split = lambda t: None if t is None else list(torch.split(t, list(batch.seq_lens)))
-    return {k: split(getattr(batch, k)) for k in names}
-
-
-def _scales(batch: PackedBatch) -> dict[str, int]:
-    rl = batch.loss_mask if batch.rl_weights is None else batch.loss_mask & (batch.rl_weights != 0)
-    return {"rl_scale": max(int(rl.sum()), 1), "ce_scale": 1, "ref_kl_scale": 1}
-
-
-def _loss_and_grad(compute: Callable, batch: PackedBatch, rl_loss_fn: Callable) -> tuple[torch.Tensor, torch.Tensor]:
-    loss, _ = compute(**_lists(batch), rl_loss_fn=rl_loss_fn, **_scales(batch))
-    (grad,) = torch.autograd.grad(loss, batch.trainer_logprobs, allow_unused=True)
-    grad = torch.zeros_like(batch.trainer_logprobs) if grad is None else grad
+def _loss_and_grad(compute: Callable, streams: Streams, rl_loss_fn: Callable) -> tuple[torch.Tensor, torch.Tensor]:
+    """``compute``'s loss over the bin's per-sequence lists and its gradient w.r.t. the trainer
+    log-probs ``[N]`` (both float64); the scales are the components' member counts."""
+    loss, _ = compute(**streams.lists(), rl_loss_fn=rl_loss_fn, **streams.integer_scales())
+    trn = streams.trainer_logprobs
+    (grad,) = torch.autograd.grad(loss, trn, allow_unused=True)
+    grad = torch.zeros_like(trn) if grad is None else grad
     return loss.detach().double(), grad.detach().double()
 
 
-def compare_on_bin(fn: Callable, kwargs: dict, batch: PackedBatch, label: str) -> Comparison:
+def compare_on_bin(fn: Callable, kwargs: dict, streams: Streams, label: str) -> Comparison:
     """Call ``fn`` per sequence and over the bin; the loss difference and the gradient difference
     (max abs, and max abs relative to the largest per-sequence gradient entry)."""
     rl_loss_fn = lambda inputs: fn(inputs, **kwargs)
     try:
-        loss_ref, grad_ref = _loss_and_grad(reference.compute_loss, batch, rl_loss_fn)
-        loss_vec, grad_vec = _loss_and_grad(prime_rl.compute_loss, batch, rl_loss_fn)
+        loss_ref, grad_ref = _loss_and_grad(reference.compute_loss, streams, rl_loss_fn)
+        loss_vec, grad_vec = _loss_and_grad(prime_rl.compute_loss, streams, rl_loss_fn)
     except Exception as exc:  # a custom loss may fail in one calling convention only: report it
         return Comparison(label, None, None, None, None, None, error=f"{type(exc).__name__}: {exc}")
     grad_diff = float((grad_vec - grad_ref).abs().max())

@@ -1,11 +1,13 @@
 """The ``packloss`` command.
 
 * ``packloss bench [loss|distill|head|all] [--device cpu|cuda] [--quick] [--out DIR]`` runs the
-  benchmark suites (DESIGN.md §7), prints a table per suite, writes ``results.json`` and PNG plots.
+  benchmark suites (:mod:`packloss.tools.bench`), prints a table per suite, writes ``results.json``
+  and PNG plots.
 * ``packloss check MODULE:FUNCTION [--kwargs JSON]`` tells whether a custom rl loss function is
   additive over the sequences of a packed bin (exit 0 PASS, 1 FAIL, 2 cannot check).
 * ``packloss demo [--quick] [--nproc N] [--out DIR] ...`` runs the end-to-end demo (SFT, on-policy
-  distillation and RL of tiny models on packed bins; needs the ``hf`` extra), see :mod:`packloss.demo`.
+  distillation and RL of tiny models on packed bins; needs the ``hf`` extra), see
+  :mod:`packloss.tools.demo`.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("target", metavar="MODULE:FUNCTION", help="the loss function, importable from here")
     check.add_argument("--kwargs", default=None, metavar="JSON", help="keyword arguments as a JSON object")
 
-    from packloss import demo
+    from packloss.tools import demo
 
     demo.add_arguments(
         sub.add_parser(
@@ -69,7 +71,7 @@ def run_suite(name: str, device: str, quick: bool, progress: Callable[[str], Non
     """Import and run one suite; a missing or failing suite returns ``{"rows": [], "error": ...}``."""
     start = time.perf_counter()
     try:
-        module = importlib.import_module(f"packloss.bench.{name}")
+        module = importlib.import_module(f"packloss.tools.bench.{name}")
         if name == "loss":
             result = module.run(device, quick, progress, use_compile=use_compile)
         else:
@@ -83,7 +85,7 @@ def run_suite(name: str, device: str, quick: bool, progress: Callable[[str], Non
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
-    from packloss.bench import report
+    from packloss.tools.bench import report
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         print(f"packloss bench: error: --device {args.device} but CUDA is not available", file=sys.stderr)
@@ -121,9 +123,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(args)
     if args.command == "demo":
-        from packloss import demo
+        from packloss.tools import demo
 
         return demo.run(args)
-    from packloss.check import run as run_check
+    from packloss.tools.check import run as run_check
 
     return run_check(args.target, args.kwargs)

@@ -1,5 +1,5 @@
 """Benchmark suites behind ``packloss bench``: ``loss``, ``distill``, ``head``.
 
 Each suite module exposes ``run(device: str, quick: bool, progress) -> dict`` returning
-``{"rows": [...], ...}`` with every figure; ``packloss.cli`` prints, saves and plots them.
+``{"rows": [...], ...}`` with every figure; ``packloss.tools.cli`` prints, saves and plots them.
 """

@@ -1,12 +1,15 @@
 """The ``distill`` suite: time and peak memory of full-vocabulary reverse KL, naive vs. packloss.
 
-Variants (each measured in a fresh process, :func:`packloss.bench._measure.run_fresh`):
+Variants (each measured in a fresh process, :func:`packloss.tools.bench._measure.run_fresh`):
 
 * ``naive_eager``: ``log_softmax`` twice + ``kl_div`` under autograd (keeps several ``[N, V]``
   float32 tensors for backward);
 * ``naive_compiled``: the same function under ``torch.compile``;
-* ``packloss_eager`` / ``packloss_compiled``: :func:`packloss.distill.reverse_kl` with
-  ``impl="eager"`` / ``impl="compiled"``.
+* ``packloss_eager`` / ``packloss_compiled``: :func:`packloss.vocab.distill.reverse_kl` with
+  ``impl="eager"`` / ``impl="compiled"``, its per-token ``[N]`` divergences summed and divided by
+  the member count.
+
+Every variant is the same token-normalised loss, ``Σ_{members} KL(q‖p) / #members``.
 
 Figures per row: ``time_ms`` (median forward+backward), ``peak_bytes`` (peak memory added by one
 forward+backward over the inputs already in memory: CPU peak RSS delta, CUDA
@@ -22,8 +25,8 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from packloss.bench._measure import peak_bytes, release_freed_memory, reset_peak, run_fresh, time_ms
-from packloss.distill import reverse_kl
+from packloss.tools.bench._measure import peak_bytes, release_freed_memory, reset_peak, run_fresh, time_ms
+from packloss.vocab.distill import reverse_kl
 
 __all__ = ["run", "VARIANTS"]
 
@@ -38,6 +41,11 @@ def _naive_reverse_kl(s: torch.Tensor, t: torch.Tensor, mask: torch.Tensor) -> t
     return torch.where(mask, kl, 0.0).sum() / mask.sum().clamp(min=1)
 
 
+def _token_mean(per_token: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``Σ_{members} per_token / #members`` of ``per_token [N]`` over ``mask [N]``."""
+    return torch.where(mask, per_token, 0.0).sum() / mask.sum().clamp(min=1)
+
+
 def _loss_fn(variant: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     if variant == "naive_eager":
         return _naive_reverse_kl
@@ -45,7 +53,7 @@ def _loss_fn(variant: str) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor
         return torch.compile(_naive_reverse_kl)
     if variant in ("packloss_eager", "packloss_compiled"):
         impl = variant.removeprefix("packloss_")
-        return lambda s, t, m: reverse_kl(s, t, m, impl=impl)
+        return lambda s, t, m: _token_mean(reverse_kl(s, t, m, impl=impl), m)
     raise ValueError(f"unknown variant {variant!r}")
 
 
@@ -133,7 +141,7 @@ def run(device: str, quick: bool, progress: Callable[[str], None] | None = None)
                 repeat=repeat,
                 threads=torch.get_num_threads(),
             )
-            shape_rows.append(run_fresh("packloss.bench.distill:_measure_variant", kwargs))
+            shape_rows.append(run_fresh("packloss.tools.bench.distill:_measure_variant", kwargs))
         naive = next(r for r in shape_rows if r["variant"] == "naive_eager")
         for row in shape_rows:
             row["peak_vs_naive_eager"] = naive["peak_bytes"] / max(row["peak_bytes"], 1)

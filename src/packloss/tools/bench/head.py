@@ -5,7 +5,7 @@ Variants, each forward+backward of ``Σ logprobs`` (entropy computed, not differ
 
 * ``materialised_eager``: ``logits = h Wᵀ`` ``[N, V]``, ``log_softmax``, gather, autograd;
 * ``materialised_compiled``: the same function under ``torch.compile``;
-* ``fused``: :func:`packloss.head.linear_logprobs` (chunked, never ``N × V``).
+* ``fused``: :func:`packloss.vocab.head.linear_logprobs` (chunked, never ``N × V``).
 
 Peak memory is measured on the first run (after compiling, for the compiled variant), ``peak_bytes``
 minus the baseline with the inputs allocated: CPU peak RSS, CUDA ``max_memory_allocated``. Fused rows carry
@@ -18,8 +18,8 @@ from collections.abc import Callable
 
 import torch
 
-from packloss.bench._measure import peak_bytes, release_freed_memory, reset_peak, run_fresh, time_ms
-from packloss.head import linear_logprobs
+from packloss.tools.bench._measure import peak_bytes, release_freed_memory, reset_peak, run_fresh, time_ms
+from packloss.vocab.head import linear_logprobs
 
 __all__ = ["run"]
 
@@ -104,7 +104,7 @@ def run(device: str, quick: bool, progress: Callable[[str], None] | None = None)
                 chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size, threads=torch.get_num_threads(),
             )  # fmt: skip
             by_variant[variant] = {"shape": shape, "variant": variant, **run_fresh(
-                "packloss.bench.head:_measure_variant", kwargs)}  # fmt: skip
+                "packloss.tools.bench.head:_measure_variant", kwargs)}  # fmt: skip
         eager, fused = by_variant["materialised_eager"], by_variant["fused"]
         fused["peak_vs_eager"] = fused["peak_bytes"] / max(eager["peak_bytes"], 1)
         fused["time_vs_eager"] = fused["time_ms"] / eager["time_ms"]

@@ -1,24 +1,28 @@
-"""The ``loss`` suite: forward+backward of ``compute_loss`` on one packed bin (DESIGN.md §7).
+"""The ``loss`` suite: forward+backward of :func:`packloss.compute_loss` on one packed bin.
 
-For each archetype (``hot``, ``opd``, ``echo``, ``sdft``) and each packing density (sequences per
-bin), three implementations run on the same bin:
+For each archetype (``hot``, ``opd``, ``echo``, ``sdft``; :func:`packloss.testing.make_archetype`)
+and each packing density (sequences per bin), three implementations run on the same bin:
 
-* ``reference`` — :func:`packloss.reference.compute_loss`, the per-sequence loop a trainer called
-  before prime-rl PR #2951, over per-sequence views of the bin's streams;
-* ``eager`` — the native vectorised :func:`packloss.compute_loss`;
+* ``reference`` — :func:`packloss.testing.reference.compute_loss`, the per-sequence loop a trainer
+  called before prime-rl PR #2951, over per-sequence views of the bin's streams;
+* ``eager`` — the native engine, ``compute_loss(plan, Outputs(logprobs=trn), denominators)``;
 * ``compiled`` — the same call under ``torch.compile`` (forward compiled by dynamo/inductor, backward
   by AOTAutograd). ``first_call_s`` is the wall time of the first forward+backward at that packing
   (compilation, or a recompilation when a guard failed, included); ``graphs`` is the number of
   graphs dynamo has compiled for the archetype so far, so a recompile per packing shows as a count
   that grows with the row.
 
+The rl objective is DPPO (prime-rl's default loss) everywhere. The native columns build each bin's
+:class:`~packloss.Plan` once, outside the timed step (a trainer builds it before the forward), and
+its step denominators once with :func:`~packloss.count_denominators` (each component's member
+count, as a trainer counts global scales over its step): float64 0-d tensors, so compiled code never
+specialises on them. The reference divides by the same counts as host ints.
+
 Per row: median forward+backward ``time_ms`` after warm-up (the native columns time their packings
 round-robin, one call of each per round, so that load from other processes spreads over all of
 them), the aten-op and sync counts of one call (:class:`packloss.testing.OpCounter`; ``None`` for
 ``compiled``, whose inductor kernels are not aten ops) and ``speedup_vs_reference`` measured in the
-same run. Every implementation divides by the same integer member counts (a trainer's global
-scales), as ints for the reference and as 0-d tensors for
-the native calls so that compiled code never specialises on them.
+same run.
 """
 
 from __future__ import annotations
@@ -31,30 +35,22 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from packloss import reference
-from packloss.batch import PackedBatch
-from packloss.bench._measure import time_ms
 from packloss.compat.prime_rl import DefaultLossConfig
-from packloss.compute import compute_loss
-from packloss.testing import OpCounter, make_archetype, random_seq_lens
+from packloss.core.engine import compute_loss
+from packloss.core.normalize import StepDenominators, count_denominators
+from packloss.core.pg import DPPO
+from packloss.core.plan import Outputs, Plan
+from packloss.testing import OpCounter, Streams, make_archetype, random_seq_lens, reference
+from packloss.tools.bench._measure import time_ms
 
-__all__ = ["ARCHETYPES", "VARIANTS", "Plan", "plan", "bin_for", "integer_scales", "native_step", "run"]
+__all__ = ["ARCHETYPES", "VARIANTS", "Schedule", "schedule", "bin_for", "NativeBin", "native_bin", "native_step", "run"]
 
 ARCHETYPES = ("hot", "opd", "echo", "sdft")
 VARIANTS = ("reference", "eager", "compiled")
-_STREAMS = (
-    "inference_logprobs",
-    "ref_logprobs",
-    "advantages",
-    "loss_mask",
-    "rl_weights",
-    "ce_weights",
-    "ref_kl_weights",
-)
 
 
 @dataclass(frozen=True)
-class Plan:
+class Schedule:
     """What one run measures: tokens per bin, sequences per bin, repeats, which archetypes compile."""
 
     num_tokens: int
@@ -65,60 +61,62 @@ class Plan:
     compiled_archetypes: tuple[str, ...]
 
 
-def plan(quick: bool, use_compile: bool = True) -> Plan:
-    """The full plan (32,768 tokens × 1/16/64/256 sequences) or the quick one (4,096 tokens × 1/16/64,
-    only the hot path compiled). ``use_compile=False`` drops the compiled column."""
+def schedule(quick: bool, use_compile: bool = True) -> Schedule:
+    """The full schedule (32,768 tokens × 1/16/64/256 sequences) or the quick one (4,096 tokens ×
+    1/16/64, only the hot path compiled). ``use_compile=False`` drops the compiled column."""
     if quick:
-        return Plan(4096, (1, 16, 64), 2, 10, 2, ("hot",) if use_compile else ())
-    return Plan(32768, (1, 16, 64, 256), 3, 100, 5, ARCHETYPES if use_compile else ())
+        return Schedule(4096, (1, 16, 64), 2, 10, 2, ("hot",) if use_compile else ())
+    return Schedule(32768, (1, 16, 64, 256), 3, 100, 5, ARCHETYPES if use_compile else ())
 
 
-def bin_for(archetype: str, num_tokens: int, num_seqs: int, device: str) -> PackedBatch:
+def bin_for(archetype: str, num_tokens: int, num_seqs: int, device: str) -> Streams:
     """The benchmark's bin: a deterministic packing (seeded by the sequence count) of one archetype."""
     g = torch.Generator().manual_seed(10_000 + num_seqs)
     return make_archetype(archetype, random_seq_lens(num_tokens, num_seqs, g), seed=num_seqs, device=device)
 
 
-def integer_scales(batch: PackedBatch) -> dict[str, int]:
-    """Each component's member count (at least 1) as host ints, the way a trainer passes global scales."""
-    rl = batch.loss_mask if batch.rl_weights is None else batch.loss_mask & (batch.rl_weights != 0)
-    counts = {"rl_scale": rl, "ce_scale": batch.ce_weights, "ref_kl_scale": batch.ref_kl_weights}
-    return {k: 1 if m is None else max(int((m != 0).sum()), 1) for k, m in counts.items()}
+@dataclass(frozen=True)
+class NativeBin:
+    """What the native columns run on, built once per bin before any timing: the plan (``rl`` DPPO,
+    ``ce`` SFT, ``ref_kl`` REF_KL, token-normalised), its step denominators, the trainer log-probs."""
+
+    plan: Plan
+    denominators: StepDenominators
+    trainer_logprobs: Tensor
 
 
-def _tensor_scales(scales: dict[str, int], device: str) -> dict[str, Tensor]:
-    return {k: torch.tensor(float(v), device=device) for k, v in scales.items()}
+def native_bin(streams: Streams) -> NativeBin:
+    """The bin's :class:`~packloss.Plan` and its :func:`~packloss.count_denominators` (once each)."""
+    plan = streams.plan(rl=DPPO, normalize="token")
+    return NativeBin(plan, count_denominators([plan]), streams.trainer_logprobs)
 
 
-def native_step(batch: PackedBatch, scales: dict[str, Tensor]) -> Tensor:
-    """The native loss of the bin (DPPO rl loss), the function the eager and compiled columns run."""
-    return compute_loss(batch, **scales).loss
+def native_step(plan: Plan, trainer_logprobs: Tensor, denominators: StepDenominators) -> Tensor:
+    """The native loss of the bin, the function the eager and compiled columns run (and compile)."""
+    return compute_loss(plan, Outputs(logprobs=trainer_logprobs), denominators).loss
 
 
-def _split(t: Tensor | None, seq_lens: list[int]) -> list[Tensor] | None:
-    return None if t is None else list(torch.split(t, seq_lens))
-
-
-def _reference_step(batch: PackedBatch, scales: dict[str, int]) -> Callable[[], None]:
+def _reference_step(streams: Streams) -> Callable[[], None]:
     """Forward+backward of the per-sequence reference; the trainer log-probs are split inside the
     step (their views belong to each call's graph), the other streams once, outside."""
-    seq_lens = list(batch.seq_lens)
-    lists = {k: _split(getattr(batch, k), seq_lens) for k in _STREAMS}
+    seq_lens = list(streams.seq_lens)
+    lists = {k: v for k, v in streams.lists().items() if k != "trainer_logprobs"}
+    scales = streams.integer_scales()
     rl_loss_fn = reference.setup_rl_loss_fn(DefaultLossConfig())
-    trn = batch.trainer_logprobs
+    trn = streams.trainer_logprobs
 
     def step() -> None:
         trn.grad = None
-        loss, _ = reference.compute_loss(_split(trn, seq_lens), **lists, rl_loss_fn=rl_loss_fn, **scales)
+        loss, _ = reference.compute_loss(list(torch.split(trn, seq_lens)), **lists, rl_loss_fn=rl_loss_fn, **scales)
         loss.backward()
 
     return step
 
 
-def _native_step(fn: Callable[[PackedBatch, dict[str, Tensor]], Tensor], batch, scales) -> Callable[[], None]:
+def _native_step(fn: Callable[[Plan, Tensor, StepDenominators], Tensor], b: NativeBin) -> Callable[[], None]:
     def step() -> None:
-        batch.trainer_logprobs.grad = None
-        fn(batch, scales).backward()
+        b.trainer_logprobs.grad = None
+        fn(b.plan, b.trainer_logprobs, b.denominators).backward()
 
     return step
 
@@ -136,13 +134,13 @@ def _graphs_compiled() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def _row(archetype: str, batch: PackedBatch, variant: str, median_ms: float, **extra) -> dict:
+def _row(archetype: str, streams: Streams, variant: str, median_ms: float, **extra) -> dict:
     return {
         "suite": "loss",
-        "shape": f"{archetype} {batch.num_tokens}/{batch.num_seqs}",
+        "shape": f"{archetype} {streams.num_tokens}/{streams.num_seqs}",
         "archetype": archetype,
-        "num_tokens": batch.num_tokens,
-        "num_seqs": batch.num_seqs,
+        "num_tokens": streams.num_tokens,
+        "num_seqs": streams.num_seqs,
         "variant": variant,
         "time_ms": median_ms,
         "peak_bytes": None,
@@ -158,7 +156,7 @@ def _row(archetype: str, batch: PackedBatch, variant: str, median_ms: float, **e
 class _Compiled:
     """An archetype's compiled step and dynamo's graph count before its first call."""
 
-    fn: Callable[[PackedBatch, dict[str, Tensor]], Tensor]
+    fn: Callable[[Plan, Tensor, StepDenominators], Tensor]
     graphs_before: int
 
 
@@ -185,29 +183,29 @@ def _first_call_s(step: Callable[[], None], device: str) -> float:
 
 
 def _measure_archetype(
-    archetype: str, device: str, p: Plan, compiled: _Compiled | None, progress: Callable[[str], None]
+    archetype: str, device: str, p: Schedule, compiled: _Compiled | None, progress: Callable[[str], None]
 ) -> list[dict]:
-    """Reference, eager and (optionally) compiled rows of one archetype at every packing of the plan."""
+    """Reference, eager and (optionally) compiled rows of one archetype at every packing of the schedule."""
     bins = {s: bin_for(archetype, p.num_tokens, s, device) for s in p.seq_counts}
-    scales = {s: integer_scales(b) for s, b in bins.items()}
     rows: dict[tuple[str, int], dict] = {}
 
-    for s, batch in bins.items():
+    for s, streams in bins.items():
         progress(f"loss {archetype} S={s} reference")
-        step = _reference_step(batch, scales[s])
+        step = _reference_step(streams)
         ops, syncs = _count_ops(step)
         t = time_ms(step, device, warmup=1, repeat=p.reference_repeat)
-        rows["reference", s] = _row(archetype, batch, "reference", t, aten_ops=ops, syncs=syncs)
+        rows["reference", s] = _row(archetype, streams, "reference", t, aten_ops=ops, syncs=syncs)
 
     progress(f"loss {archetype} eager")
-    eager = {s: _native_step(native_step, b, _tensor_scales(scales[s], device)) for s, b in bins.items()}
+    native = {s: native_bin(streams) for s, streams in bins.items()}  # plans and denominators: once, untimed
+    eager = {s: _native_step(native_step, b) for s, b in native.items()}
     counts = {s: _count_ops(step) for s, step in eager.items()}
     for s, t in _interleaved_ms(eager, device, p.warmup, p.repeat).items():
         ops, syncs = counts[s]
         rows["eager", s] = _row(archetype, bins[s], "eager", t, aten_ops=ops, syncs=syncs)
 
     if compiled is not None:
-        steps = {s: _native_step(compiled.fn, b, _tensor_scales(scales[s], device)) for s, b in bins.items()}
+        steps = {s: _native_step(compiled.fn, b) for s, b in native.items()}
         first: dict[int, tuple[float, int]] = {}
         for s, step in steps.items():
             progress(f"loss {archetype} S={s} compiling")
@@ -240,11 +238,9 @@ def summarise(rows: list[dict]) -> dict[str, dict[str, float]]:
     return out
 
 
-def run(
-    device: str, quick: bool, progress: Callable[[str], None] | None = None, *, use_compile: bool = True
-) -> dict:
+def run(device: str, quick: bool, progress: Callable[[str], None] | None = None, *, use_compile: bool = True) -> dict:
     """Run the suite: ``{"rows": [...], "summary": {...}, "plan": {...}}`` (see the module docstring)."""
-    p = plan(quick, use_compile)
+    p = schedule(quick, use_compile)
     report = progress or (lambda _description: None)
     rows: list[dict] = []
     for archetype in ARCHETYPES:
@@ -263,7 +259,8 @@ def run(
             "repeat": p.repeat,
             "reference_repeat": p.reference_repeat,
             "compiled_archetypes": list(p.compiled_archetypes),
-            "rl_loss": "DPPO (prime-rl DefaultLossConfig)",
+            "rl_loss": "DPPO (prime-rl DefaultLossConfig; packloss.DPPO)",
+            "denominators": "count_denominators([plan]): each component's member count, float64 0-d tensors",
             "threads": torch.get_num_threads(),
         },
     }
