@@ -136,8 +136,8 @@ def test_sft_only_step_needs_only_logprobs():
     result = compute_loss(plan, Outputs(logprobs=trainer))
     expected = -(trainer.detach()[mask]).sum() / mask.sum()
     assert torch.allclose(result.loss, expected, rtol=1e-6)
-    assert torch.allclose(result.metrics["sft/nll"], expected, rtol=1e-6)
-    assert result.counts["sft/nll"].item() == mask.sum().item()
+    assert torch.allclose(result.metrics["sft/loss"], expected, rtol=1e-6)
+    assert result.counts["sft/loss"].item() == mask.sum().item()
     result.loss.backward()
     assert torch.equal(trainer.grad, torch.where(mask, -1.0 / mask.sum(), 0.0))
 

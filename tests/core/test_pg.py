@@ -101,7 +101,7 @@ def test_sft_loss():
     w = torch.tensor([0.5, 0.0, 2.0])
     out = run(SFT(), trn, None, None, None, torch.ones(3, dtype=torch.bool), w)
     assert out.loss.item() == pytest.approx(0.5 + 6.0)
-    assert out.metrics["rl/nll"].item() == pytest.approx(2.0)
+    assert out.metrics["rl/loss"].item() == pytest.approx(2.0)  # the mean NLL over the members
 
 
 @pytest.mark.parametrize(

@@ -212,3 +212,82 @@ def test_hidden_path_through_the_engine_allocates_no_extra_gradient_buffer() -> 
         result.loss.backward()
     assert counter.ops["aten.slice_backward"] == 0 and counter.ops["aten.add"] == 0, counter.ops
     assert hidden.grad is not None and weight.grad is not None
+
+
+GROUP_IDS = [0, 1, 0, 1]  # prompt group of each sequence in SEQ_LENS
+MODES = ["token", "position", "sequence_mean", "sequence_sum", "constant", "group_mean"]
+
+
+def _formula_any_mode(per_token, mask, mode, weights, seq_lens=SEQ_LENS, groups=GROUP_IDS, constant=7.0):
+    """Every mode's term written out in plain Python (float64)."""
+    offsets = [sum(seq_lens[:i]) for i in range(len(seq_lens))]
+    sums, members = [], []
+    for start, n in zip(offsets, seq_lens, strict=True):
+        idx = [i for i in range(start, start + n) if mask[i]]
+        sums.append(sum((weights[i] * per_token[i] for i in idx), torch.zeros((), dtype=torch.float64)))
+        members.append(len(idx))
+    total = sum(sums)
+    live = [i for i, k in enumerate(members) if k]
+    if mode == "token":
+        return total / sum(members)
+    if mode == "position":
+        return total / sum(seq_lens)
+    if mode == "constant":
+        return total / constant
+    if mode == "sequence_sum":
+        return total / len(live)
+    if mode == "sequence_mean":
+        return sum(sums[i] / members[i] for i in live) / len(live)
+    by_group: dict[int, list[int]] = {}
+    for i, g in enumerate(groups):
+        by_group.setdefault(g, []).append(i)
+    terms = [sum(sums[i] for i in seqs) / sum(members[i] for i in seqs) for seqs in by_group.values()
+             if sum(members[i] for i in seqs)]  # fmt: skip
+    return sum(terms) / len(terms)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("path", ["logits", "hidden"])
+def test_every_mode_equals_its_hand_formula(path, mode) -> None:
+    hidden, weight, _, _, mask = _bin(torch.float64)
+    g = torch.Generator().manual_seed(5)
+    teacher = torch.randn(N, V, generator=g, dtype=torch.float64)
+    w = torch.rand(N, generator=g, dtype=torch.float64) + 0.5
+    comp = Component(VocabDistill("reverse_kl"), mask=mask, weights=w, normalize=mode,
+                     constant=7.0 if mode == "constant" else None)  # fmt: skip
+    plan = Plan(SEQ_LENS, {"kd": comp}, teacher_logits=teacher, group_ids=GROUP_IDS)
+    got = compute_loss(plan, _outputs(path, hidden, weight)).loss
+    expected = _formula_any_mode(_naive_per_token("reverse_kl", hidden @ weight.T, teacher, 0.5, 1.0), mask, mode, w)
+    assert torch.allclose(got, expected, rtol=1e-12, atol=0), (float(got), float(expected))
+
+
+def _step_grads(path: str, mode: str, order: list[int], num_bins: int):
+    """The step's gradient w.r.t. hidden and weight with the sequences dealt into ``num_bins`` plans."""
+    from packloss import count_denominators
+
+    hidden, weight, _, _, mask = _bin(torch.float64, seed=1)
+    g = torch.Generator().manual_seed(6)
+    teacher = torch.randn(N, V, generator=g, dtype=torch.float64)
+    w = torch.rand(N, generator=g, dtype=torch.float64) + 0.5
+    starts = [sum(SEQ_LENS[:i]) for i in range(len(SEQ_LENS))]
+    parts = []
+    for chunk in (order[i::num_bins] for i in range(num_bins)):
+        index = torch.cat([torch.arange(starts[q], starts[q] + SEQ_LENS[q]) for q in chunk])
+        comp = Component(VocabDistill("jsd", beta=0.3), mask=mask[index], weights=w[index], normalize=mode,
+                         constant=7.0 if mode == "constant" else None)  # fmt: skip
+        plan = Plan([SEQ_LENS[q] for q in chunk], {"kd": comp}, teacher_logits=teacher[index],
+                    group_ids=[GROUP_IDS[q] for q in chunk])  # fmt: skip
+        parts.append((plan, _outputs(path, hidden[index], weight)))
+    den = count_denominators([p for p, _ in parts], num_groups=2)
+    total = sum(compute_loss(p, o, den).loss for p, o in parts)
+    return torch.autograd.grad(total, [hidden, weight])
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("path", ["logits", "hidden"])
+def test_step_gradient_invariant_to_packing_and_order(path, mode) -> None:
+    whole = _step_grads(path, mode, [0, 1, 2, 3], 1)
+    assert all(g.abs().sum() > 0 for g in whole)
+    for order, num_bins in (([3, 1, 0, 2], 2), ([2, 0, 3, 1], 4)):
+        for got, ref in zip(_step_grads(path, mode, order, num_bins), whole, strict=True):
+            assert torch.allclose(got, ref, rtol=1e-12, atol=1e-15), (order, num_bins)

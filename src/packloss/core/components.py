@@ -66,9 +66,16 @@ class Aggregation:
     divisor: Tensor | None
     denominator: Tensor | float
 
+    def mask_tokens(self, per_token: Tensor) -> Tensor:
+        """``ℓ`` in the compute dtype with exact zeros off the members (whatever they held).  ``[N]``."""
+        return torch.where(self.mask, upcast(per_token), 0.0)
+
     def reduce(self, per_token: Tensor) -> Tensor:
         """The component's term, a 0-d tensor in at least float32. ``per_token [N]``."""
-        x = torch.where(self.mask, upcast(per_token), 0.0)  # [N]
+        return self.reduce_masked(self.mask_tokens(per_token))
+
+    def reduce_masked(self, x: Tensor) -> Tensor:
+        """:meth:`reduce` of a per-token loss already passed through :meth:`mask_tokens`."""
         if self.weights is not None:
             x = x * self.weights
         if self.divisor is not None:

@@ -17,7 +17,7 @@ from torch import Tensor
 from packloss.core.components import ComponentInputs, ComponentOutput, upcast
 from packloss.core.normalize import StepDenominators, aggregation
 from packloss.core.plan import Outputs, Plan
-from packloss.core.segments import segment_count
+from packloss.core.segments import segment_count, segment_sum
 
 __all__ = ["LossResult", "compute_loss"]
 
@@ -89,14 +89,15 @@ def compute_loss(
         if not isinstance(out, ComponentOutput):
             raise TypeError(f"component {name!r} must return a ComponentOutput, got {type(out).__name__}")
         _check_output(name, out, plan.num_tokens)
-        term = agg.reduce(out.per_token) if out.loss is None else upcast(out.loss)
+        masked = None if out.per_token is None else agg.mask_tokens(out.per_token)  # [N]
+        term = agg.reduce_masked(masked) if out.loss is None else upcast(out.loss)
         if term.dim() != 0:
             raise ValueError(f"component {name!r} returned a loss of shape {tuple(term.shape)}, not a scalar")
         terms[name] = term
         total = term if total is None else total + term
-        if out.per_token is not None:
-            per_token[name] = torch.where(agg.mask, upcast(out.per_token), 0.0)
-        _collect_metrics(name, out, inputs, metrics, counts)
+        if masked is not None:
+            per_token[name] = masked
+        _collect_metrics(name, out, masked, inputs, metrics, counts)
     if total is None or not total.requires_grad:
         anchor = outputs.anchor()
         if anchor is not None:
@@ -115,16 +116,25 @@ def _check_output(name: str, out: ComponentOutput, n: int) -> None:
 
 
 def _collect_metrics(
-    name: str, out: ComponentOutput, inputs: ComponentInputs, metrics: dict[str, Tensor], counts: dict[str, Tensor]
+    name: str,
+    out: ComponentOutput,
+    masked: Tensor | None,
+    inputs: ComponentInputs,
+    metrics: dict[str, Tensor],
+    counts: dict[str, Tensor],
 ) -> None:
+    """The component's metrics under ``"{name}/"``, and ``"{name}/loss"``, the mean of its masked
+    per-token loss ``masked [N]`` over its members."""
     m = inputs.loss_mask
     if inputs.per_sequence_metrics:
-        members = segment_count(m, inputs.seq_ids, inputs.num_seqs)
+        members = segment_count(m, inputs.seq_ids, inputs.num_seqs)  # [S]
+        loss_sum = None if masked is None else segment_sum(masked.detach(), inputs.seq_ids, inputs.num_seqs)
     else:
         members = m.sum(dtype=torch.float32)
+        loss_sum = None if masked is None else masked.detach().sum()
     own = dict(out.metrics)
-    if out.per_token is not None:
-        own = {"loss": inputs.mean(out.per_token, m)[0], **own}
+    if loss_sum is not None:
+        own = {"loss": loss_sum / members.clamp_min(1), **own}
     for key, value in own.items():
         full = f"{name}/{key}"
         metrics[full] = value

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -109,16 +109,24 @@ class StepDenominators:
     modes: dict[str, Mode]
     counts: dict[str, Tensor]
     num_groups: int
+    denominators: dict[str, Tensor | float] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # D of every component, derived once here rather than in every compute_loss call.
+        out: dict[str, Tensor | float] = {}
+        for name, (mode, constant) in self.modes.items():
+            counts = self.counts[name]
+            if mode is Normalize.CONSTANT:
+                out[name] = constant
+            elif mode is Normalize.GROUP_MEAN:
+                out[name] = (counts > 0).sum(dtype=counts.dtype).clamp_min(1)
+            else:
+                out[name] = counts[0].clamp_min(1)
+        object.__setattr__(self, "denominators", out)
 
     def denominator(self, name: str) -> Tensor | float:
         """``D`` of component ``name`` (clamped to at least 1)."""
-        mode, constant = self.modes[name]
-        if mode is Normalize.CONSTANT:
-            return constant
-        counts = self.counts[name]
-        if mode is Normalize.GROUP_MEAN:
-            return (counts > 0).sum(dtype=counts.dtype).clamp_min(1)
-        return counts[0].clamp_min(1)
+        return self.denominators[name]
 
     def check(self, plan: Plan) -> None:
         """Raise a ``ValueError`` unless these denominators were counted for ``plan``'s modes."""
@@ -238,7 +246,7 @@ def aggregation(plan: Plan, name: str, denominators: StepDenominators | None, dt
     if mode is Normalize.CONSTANT:
         denominator: Tensor | float = comp.constant
     elif denominators is not None:
-        denominator = denominators.denominator(name).to(dtype)
+        denominator = denominators.denominator(name).to(dtype)  # float64 counts → the compute dtype
     else:
         local = _local_counts(plan, name, mode, plan.num_groups, dtype)
         denominator = (

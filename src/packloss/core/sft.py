@@ -13,13 +13,11 @@ __all__ = ["SFT", "Entropy"]
 class SFT:
     """Negative log-likelihood of the sampled tokens: ``ℓ_t = −trn_t`` (SFT, ECHO observation tokens).
 
-    Reads ``outputs.logprobs``. Metric ``nll``: the mean of ``−trn`` over the members.
+    Reads ``outputs.logprobs``. Its mean NLL over the members is the engine's ``{name}/loss`` metric.
     """
 
     def __call__(self, inputs: ComponentInputs) -> ComponentOutput:
-        nll = -upcast(inputs.trainer_logprobs)  # [N]
-        value, count = inputs.mean(nll, inputs.loss_mask)
-        return ComponentOutput(per_token=nll, metrics={"nll": value}, counts={"nll": count})
+        return ComponentOutput(per_token=-upcast(inputs.trainer_logprobs))  # [N]
 
 
 @dataclass(frozen=True)
