@@ -39,18 +39,28 @@ def upcast(x: Tensor) -> Tensor:
 
 
 def masked_mean(
-    values: Tensor, mask: Tensor, seq_ids: Tensor | None = None, num_seqs: int = 1, per_sequence: bool = False
+    values: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor | None = None,
+    num_seqs: int = 1,
+    per_sequence: bool = False,
+    count: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Sync-free mean of ``values [N]`` over ``mask [N]`` and the member count it was taken over.
 
     Returns scalars ``(Σ_{mask} values / max(count, 1), count)``, or ``([S], [S])`` per sequence.
-    Values outside ``mask`` never enter (inf/NaN safe); bool values count as 0/1.
+    Values outside ``mask`` never enter (inf/NaN safe); bool values count as 0/1. ``count`` (scalar
+    mode only) is ``mask.sum()`` when the caller already has it.
     """
-    values = upcast(values.detach())
     if per_sequence:
-        return segment_mean(values, mask, seq_ids, num_seqs)
-    count = mask.sum(dtype=torch.float32)
-    return torch.where(mask, values, 0.0).sum() / count.clamp_min(1), count
+        return segment_mean(upcast(values.detach()), mask, seq_ids, num_seqs)
+    if count is None:
+        count = mask.sum(dtype=torch.float32)
+    if values.dtype == torch.bool:  # a fraction: count the members where it holds, no float copy
+        total = (values & mask).sum(dtype=torch.float32)
+    else:
+        total = torch.where(mask, upcast(values.detach()), 0.0).sum()
+    return total / count.clamp_min(1), count
 
 
 @dataclass(frozen=True, eq=False)
@@ -164,6 +174,10 @@ def outputs_from_named(
     """``ComponentOutput`` with each metric the mean of ``values`` over ``mask`` for
     ``{name: (values [N], mask [N])}``, and its count."""
     metrics, counts = {}, {}
+    seen: list[tuple[Tensor, Tensor]] = []  # (mask, count): metrics over the same mask share one count
+    per_sequence = inputs.per_sequence_metrics
     for key, (values, mask) in named.items():
-        metrics[key], counts[key] = inputs.mean(values, mask)
+        count = None if per_sequence else next((c for m, c in seen if m is mask), None)
+        metrics[key], counts[key] = masked_mean(values, mask, inputs.seq_ids, inputs.num_seqs, per_sequence, count)
+        seen.append((mask, counts[key]))
     return ComponentOutput(per_token=per_token, metrics=metrics, counts=counts)
