@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from packloss import all_reduce_metrics, merge_metrics
@@ -45,3 +46,33 @@ def test_all_reduce_equals_merge():
         for key in merged:
             assert torch.allclose(metrics[key], merged[key]), key
             assert rank_counts[key] == counts[key], key
+
+
+def _disagreeing_rank(rank, world_size, same_count):
+    metrics = {"a": torch.tensor(1.0), "b": torch.tensor(2.0)}
+    if rank == 1:
+        metrics = {"a": torch.tensor(1.0), "c": torch.tensor(2.0)} if same_count else {"a": torch.tensor(1.0)}
+    counts = {k: torch.tensor(3.0) for k in metrics}
+    try:
+        all_reduce_metrics(metrics, counts)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("same_count", [True, False], ids=["other-names", "fewer-names"])
+def test_all_reduce_with_different_metric_names_raises_on_every_rank(same_count):
+    messages = run_gloo(_disagreeing_rank, world_size=2, args=(same_count,), timeout=120)
+    assert all("metric names differ across ranks" in m for m in messages), messages
+
+
+def test_merge_and_all_reduce_reject_bad_arguments():
+    result = parts()[0]
+    with pytest.raises(TypeError, match="parts must be a list"):
+        merge_metrics(result[0])
+    with pytest.raises(TypeError, match=r"counts\['x'\] must be a tensor"):
+        merge_metrics([({"x": torch.tensor(1.0)}, {"x": 3})])
+    with pytest.raises(ValueError, match="counts has no entry for metric 'x'"):
+        merge_metrics([({"x": torch.tensor(1.0)}, {})])
+    with pytest.raises(ValueError, match="metrics is empty"):
+        all_reduce_metrics({}, {})

@@ -210,7 +210,7 @@ def _dp_worker(rank, world_size):
     for mode in MODES:
         parts = micro_batches("rl", mode, s, list(range(len(LENS))), 4)[rank::world_size]
         with OpCounter() as counter:
-            den = count_denominators([p for p, _ in parts], all_reduce=True, num_groups=4)
+            den = count_denominators([p for p, _ in parts], all_reduce=True, num_groups=4, check=mode != "token")
         all_reduces.append(sum(n for op, n in counter.ops.items() if "allreduce" in op))
         total = sum(compute_loss(p, o, den).loss for p, o in parts)
         grads[mode] = torch.autograd.grad(total, s["theta"])[0]
@@ -220,7 +220,8 @@ def _dp_worker(rank, world_size):
 def test_gradient_invariant_to_data_parallel_split():
     ranks = run_gloo(_dp_worker, world_size=2, timeout=240)
     for _, all_reduces in ranks:
-        assert all_reduces == [1] * len(MODES)  # one all_reduce counts the whole step
+        # one all_reduce counts the whole step; the agreement check (skipped for "token") adds one
+        assert all_reduces == [1 if mode == "token" else 2 for mode in MODES]
     s = step(torch.float64)
     for mode in MODES:
         (single, _) = step_gradient(micro_batches("rl", mode, s, list(range(len(LENS))), 1), s)
@@ -292,3 +293,22 @@ def test_normalize_errors():
     assert Normalize("group_mean") is Normalize.GROUP_MEAN
     assert [m.value for m in Normalize] == MODES
     _ = PGParams  # the objective class is exported alongside the modes
+
+
+def _disagreeing_worker(rank, world_size, what):
+    """Rank 1 normalises differently (or has another component); every rank must raise, none hang."""
+    s = step(torch.float64)
+    mode = "token" if rank == 0 or what != "mode" else "sequence_mean"
+    kind = "rl" if rank == 0 or what != "component" else "sft"
+    plan, _ = plan_of(kind, mode, s, True)
+    try:
+        count_denominators([plan], all_reduce=True)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("what", ["mode", "component"])
+def test_ranks_that_disagree_raise_on_every_rank(what):
+    messages = run_gloo(_disagreeing_worker, world_size=2, args=(what,), timeout=120)
+    assert all("step components or modes differ across ranks" in m for m in messages), messages

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from packloss.core.agreement import check_agreement
+
 __all__ = ["merge_metrics", "all_reduce_metrics"]
 
 Metrics = tuple[dict[str, Tensor], dict[str, Tensor]]
@@ -24,10 +26,13 @@ def merge_metrics(parts: Iterable[object]) -> Metrics:
 
     A name missing from a part counts as zero members there. Returns ``(metrics, counts)``.
     """
+    if hasattr(parts, "metrics") or isinstance(parts, dict | str) or not isinstance(parts, Iterable):
+        raise TypeError(f"parts must be a list of LossResult or (metrics, counts) pairs, got {type(parts).__name__}")
     sums: dict[str, Tensor] = {}
     totals: dict[str, Tensor] = {}
     for part in parts:
         metrics, counts = (part.metrics, part.counts) if hasattr(part, "metrics") else part
+        _check_metrics(metrics, counts)
         for key, value in metrics.items():
             count = counts[key]
             if value.dim() != 0:
@@ -49,6 +54,19 @@ def merge_metrics(parts: Iterable[object]) -> Metrics:
     return merged, totals
 
 
+def _check_metrics(metrics: object, counts: object) -> None:
+    if not isinstance(metrics, dict) or not isinstance(counts, dict):
+        raise TypeError(
+            f"metrics and counts must be dicts of tensors, got {type(metrics).__name__}, {type(counts).__name__}"
+        )
+    for key, value in metrics.items():
+        if key not in counts:
+            raise ValueError(f"counts has no entry for metric {key!r}")
+        for kind, t in (("metrics", value), ("counts", counts[key])):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{kind}[{key!r}] must be a tensor, got {type(t).__name__}")
+
+
 def _extreme(key: str):
     if key.endswith("_min"):
         return torch.minimum
@@ -57,13 +75,23 @@ def _extreme(key: str):
     return None
 
 
-def all_reduce_metrics(metrics: dict[str, Tensor], counts: dict[str, Tensor], group=None) -> Metrics:
+def all_reduce_metrics(
+    metrics: dict[str, Tensor], counts: dict[str, Tensor], group=None, *, check: bool = True
+) -> Metrics:
     """Token-weighted merge over the ranks of ``group`` with one ``all_reduce`` of a ``[2, K]`` tensor
     (plus one MIN and one MAX all-reduce when ``*_min`` / ``*_max`` metrics are present).
 
-    Every rank must pass the same metric names (in any order).
+    Every rank must pass the same metric names (in any order). With ``check`` (the default) a
+    2-number agreement check runs first (:func:`~packloss.core.agreement.check_agreement`): ranks with
+    different names raise the same ``ValueError`` instead of aborting or averaging different metrics.
     """
+    _check_metrics(metrics, counts)
     keys = sorted(metrics)
+    if not keys:
+        raise ValueError("metrics is empty: nothing to all-reduce")
+    device = metrics[keys[0]].device
+    if check:
+        check_agreement("metrics " + ",".join(keys), "metric names", device, group)
     packed = torch.stack(
         [torch.stack([metrics[k] * counts[k] for k in keys]), torch.stack([counts[k] for k in keys])]
     ).to(torch.float32)  # [2, K]

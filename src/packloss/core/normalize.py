@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from packloss.core.agreement import check_agreement
 from packloss.core.components import Aggregation
 from packloss.core.segments import broadcast, segment_count
 
@@ -182,6 +183,7 @@ def count_denominators(
     modes: Mapping[str, Normalize | str | Mode] | None = None,
     num_groups: int | None = None,
     device: torch.device | str | None = None,
+    check: bool = True,
 ) -> StepDenominators:
     """Count the denominators of a step over ``plans`` (this rank's micro-batches) and, with
     ``all_reduce=True``, over the ranks of ``group`` with ONE ``all_reduce`` of one flat tensor.
@@ -190,7 +192,13 @@ def count_denominators(
     with ``modes`` (``{name: mode}``, constants as ``(Normalize.CONSTANT, C)``) and ``device``, and
     still joins the all-reduce. Every rank must have the same components and, for ``group_mean``,
     the same ``num_groups`` (required with ``all_reduce``; locally it defaults to the largest group
-    id + 1). Counts are float64 so that they stay exact; no device→host sync.
+    id + 1). Counts are float64 so that they stay exact.
+
+    With ``all_reduce`` and ``check`` (the default), a 2-number agreement check runs before the
+    counts' all-reduce (:func:`~packloss.core.agreement.check_agreement`): ranks whose components,
+    modes, constants or ``num_groups`` differ raise the same ``ValueError`` instead of hanging,
+    aborting or mixing counts; it reads those two numbers on the host. Without ``all_reduce`` nothing
+    is read on the host.
     """
     if isinstance(plans, Mapping) or not isinstance(plans, Sequence):
         raise TypeError(f"plans must be a list of Plan, got {type(plans).__name__}")
@@ -229,6 +237,9 @@ def count_denominators(
                 parts.append(torch.zeros(_count_size(mode, groups), dtype=torch.float64, device=device))
         flat = flat + torch.cat(parts)
     if all_reduce:
+        if check:
+            description = ";".join(f"{k}={step_modes[k][0].value}/{step_modes[k][1]}" for k in names)
+            check_agreement(f"components {description}; num_groups={groups}", "step components or modes", device, group)
         dist.all_reduce(flat, group=group)
     counts = dict(zip(names, torch.split(flat, sizes), strict=True))
     return StepDenominators(modes=step_modes, counts=counts, num_groups=groups)
