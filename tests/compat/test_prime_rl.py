@@ -189,3 +189,22 @@ def test_views_of_one_tensor_are_used_without_cat():
     with OpCounter() as counter:
         prime_rl.compute_loss(**copies, rl_loss_fn=fn, rl_scale=1, ce_scale=1, ref_kl_scale=1)
     assert counter.ops["aten.cat"] > 0  # separate tensors are concatenated (the check can fail)
+
+
+def test_tensor_scales_equal_int_scales_and_bad_inputs_name_the_argument():
+    batch = bin_of("echo", seed=6)
+    fn = prime_rl.setup_rl_loss_fn(CONFIGS["dppo"])
+    ints = batch.integer_scales()
+    loss_int, _ = prime_rl.compute_loss(**batch.lists(), **ints, rl_loss_fn=fn)
+    tensors = {k: torch.tensor(float(v)) for k, v in ints.items()}
+    loss_tensor, _ = prime_rl.compute_loss(**batch.lists(), **tensors, rl_loss_fn=fn)
+    assert torch.equal(loss_int, loss_tensor)
+    lists = batch.lists()
+    with pytest.raises(ValueError, match="inference_logprobs is required"):
+        prime_rl.compute_loss(**{**lists, "inference_logprobs": None}, **ints, rl_loss_fn=fn)
+    with pytest.raises(ValueError, match="constant must be a number or a 0-d"):
+        prime_rl.compute_loss(**lists, **{**ints, "rl_scale": torch.ones(2)}, rl_loss_fn=fn)
+    with pytest.raises(ValueError, match="constant must be a finite number > 0"):
+        prime_rl.compute_loss(**lists, **{**ints, "rl_scale": float("inf")}, rl_loss_fn=fn)
+    with pytest.raises(ValueError, match="trainer_logprobs must be a non-empty list"):
+        prime_rl.compute_loss(**{**lists, "trainer_logprobs": []}, **ints, rl_loss_fn=fn)

@@ -143,3 +143,14 @@ def test_deep_validation_reads_values():
 def test_plan_is_frozen():
     with pytest.raises(dataclasses.FrozenInstanceError):
         rl_plan().seq_lens = (7,)
+
+
+def test_tensor_constant_is_checked_by_deep_validation():
+    s = streams()
+    comp = Component(SFT(), mask=s["mask"], normalize="constant", constant=torch.tensor(-2.0))
+    plan = Plan(LENS, {"sft": comp})
+    with pytest.raises(ValueError, match=r"components\['sft'\].constant must be finite and > 0"):
+        plan.validate(deep=True)
+    Plan(LENS, {"sft": Component(SFT(), mask=s["mask"], normalize="constant", constant=torch.tensor(3.0))}).validate(
+        deep=True
+    )

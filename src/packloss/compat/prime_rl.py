@@ -325,6 +325,9 @@ def compute_loss(
             ref_kl_weights=ref_kl_weights,
         ).items()
     }
+    for name in ("inference_logprobs", "advantages", "loss_mask"):
+        if streams[name] is None:
+            raise ValueError(f"{name} is required (a list of per-sequence tensors), got None")
     if streams["ref_kl_weights"] is not None and streams["ref_logprobs"] is None:
         raise ValueError("ref_kl_weights is given but ref_logprobs is None: the ref_kl component needs them")
     components = {

@@ -137,7 +137,7 @@ class StepDenominators:
                     f"the step denominators have no component {name!r} (counted: {sorted(self.modes)}); "
                     "count them from plans with the same components"
                 )
-            if self.modes[name] != comp.mode:
+            if not same_mode(self.modes[name], comp.mode):
                 counted = _describe(self.modes[name])
                 raise ValueError(
                     f"component {name!r} normalises with {_describe(comp.mode)} but the step denominators "
@@ -147,6 +147,16 @@ class StepDenominators:
             raise ValueError(
                 f"plan group_ids reach {plan.num_groups - 1} but the denominators count {self.num_groups} groups"
             )
+
+
+def same_mode(a: Mode, b: Mode) -> bool:
+    """Whether two ``(Normalize, constant)`` agree; tensor constants agree only when they are the same
+    tensor (comparing their values would read the device)."""
+    if a[0] is not b[0]:
+        return False
+    if isinstance(a[1], Tensor) or isinstance(b[1], Tensor):
+        return a[1] is b[1]
+    return a[1] == b[1]
 
 
 def _describe(mode: Mode) -> str:
@@ -164,13 +174,13 @@ def _step_modes(plans: Sequence[Plan], modes: Mapping[str, Normalize | str | Mod
     seen: dict[str, Mode] = {}
     for i, plan in enumerate(plans):
         for name, comp in plan.components.items():
-            if name in seen and seen[name] != comp.mode:
+            if name in seen and not same_mode(seen[name], comp.mode):
                 raise ValueError(
                     f"component {name!r} normalises with {_describe(comp.mode)} in plans[{i}] but with "
                     f"{_describe(seen[name])} in an earlier plan"
                 )
             seen[name] = comp.mode
-            if modes is not None and out.get(name) != comp.mode:
+            if modes is not None and (name not in out or not same_mode(out[name], comp.mode)):
                 raise ValueError(f"plans[{i}] component {name!r} uses {_describe(comp.mode)}, not the given modes")
     return out if modes is not None else seen
 

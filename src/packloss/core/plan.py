@@ -54,14 +54,16 @@ class Component:
             weight).
         weights: ``[N]`` float per-token weights or None (1). Members are ``mask & (weights != 0)``.
         normalize: the mode (:class:`~packloss.Normalize` or its string), default ``"token"``.
-        constant: ``C`` of ``normalize="constant"`` (and only there).
+        constant: ``C`` of ``normalize="constant"`` (and only there): a finite number > 0, or a 0-d
+            tensor (e.g. a count all-reduced elsewhere; its value is checked by
+            ``Plan.validate(deep=True)``, not on the hot path).
     """
 
     loss: ComponentLoss
     mask: Tensor | None = None
     weights: Tensor | None = None
     normalize: Normalize | str = Normalize.TOKEN
-    constant: float | None = None
+    constant: float | Tensor | None = None
 
     def __post_init__(self) -> None:
         if not callable(self.loss):
@@ -70,7 +72,11 @@ class Component:
         if self.normalize is Normalize.CONSTANT:
             if self.constant is None:
                 raise ValueError("normalize='constant' needs constant= (the constant C)")
-            object.__setattr__(self, "constant", _check_number("constant", self.constant))
+            if isinstance(self.constant, Tensor):
+                if self.constant.dim() != 0 or self.constant.dtype == torch.bool or self.constant.is_complex():
+                    raise ValueError(f"constant must be a number or a 0-d real tensor, got shape {list(self.constant.shape)}")
+            else:
+                object.__setattr__(self, "constant", _check_number("constant", self.constant))
         elif self.constant is not None:
             raise ValueError(f"constant is only used with normalize='constant', got normalize={self.normalize.value!r}")
         if self.mask is None and self.weights is None:
@@ -257,6 +263,9 @@ class Plan:
             if name in _LOGPROB_STREAMS and bool((v > 1e-4).any()):  # sync-ok: opt-in deep validation
                 raise ValueError(f"{name} holds a positive log-probability on a member token")
         for cname, comp in self.components.items():
+            c = comp.constant
+            if isinstance(c, Tensor) and not bool(torch.isfinite(c) & (c > 0)):  # sync-ok: opt-in
+                raise ValueError(f"components[{cname!r}].constant must be finite and > 0, got {c}")
             if comp.weights is not None and not bool(torch.isfinite(comp.weights).all()):  # sync-ok: opt-in
                 raise ValueError(f"components[{cname!r}].weights holds a non-finite value")
         if self.teacher_logits is not None:
