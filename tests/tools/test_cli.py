@@ -159,3 +159,84 @@ def test_help_of_every_subcommand(capsys):
         assert exc.value.code == 0
     out = capsys.readouterr().out
     assert "MODULE:FUNCTION" in out and "--nproc" in out
+
+
+@pytest.fixture
+def no_suites(monkeypatch):
+    """Running any bench suite fails the test: usage errors must be refused up front."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a suite ran despite a usage error")
+
+    monkeypatch.setattr("packloss.tools.cli.run_suite", refuse)
+
+
+def _usage_line(capsys, command: str, option: str) -> str:
+    """The last stderr line (argparse prints the usage above it): ``packloss COMMAND: error: ...``
+    naming ``option``; no traceback."""
+    err = capsys.readouterr().err
+    line = err.strip().splitlines()[-1]
+    assert "Traceback" not in err and line.startswith(f"packloss {command}: error:") and option in line, err
+    return line
+
+
+def _exit_code(argv: list[str]) -> int:
+    """``main``'s exit code, whether returned or raised by argparse."""
+    try:
+        return main(argv)
+    except SystemExit as exc:
+        return exc.code
+
+
+@pytest.mark.parametrize("under_file", [False, True])
+def test_bench_unwritable_out_is_a_usage_error(no_suites, tmp_path, capsys, under_file):
+    regular = tmp_path / "file"
+    regular.write_text("")
+    out = regular / "sub" if under_file else regular
+    assert main(["bench", "loss", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("packloss bench: error: --out") and str(out) in err, err
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_bench_threads_must_be_positive(no_suites, tmp_path, capsys, value):
+    assert _exit_code(["bench", "loss", "--threads", value, "--out", str(tmp_path)]) == 2
+    _usage_line(capsys, "bench", "--threads")
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:", "cuda:x", "CPU", "cpu:0"])
+def test_bench_unknown_device_is_refused_up_front(no_suites, tmp_path, capsys, device):
+    assert _exit_code(["bench", "loss", "--device", device, "--out", str(tmp_path)]) == 2
+    _usage_line(capsys, "bench", "--device")
+    assert not (tmp_path / "results.json").exists()
+
+
+def test_device_names_accepted():
+    from packloss.tools.cli import build_parser
+
+    for device in ("cpu", "cuda", "cuda:0", "cuda:12"):
+        assert build_parser().parse_args(["bench", "--device", device]).device == device
+
+
+DEMO_COUNTS = ("--sft-steps", "--distill-steps", "--rl-steps", "--nproc", "--threads", "--emulate-ranks")
+
+
+@pytest.mark.parametrize("value", ["0", "-3"])
+@pytest.mark.parametrize("option", DEMO_COUNTS)
+def test_demo_counts_must_be_positive(capsys, option, value):
+    assert _exit_code(["demo", "--quick", option, value]) == 2
+    _usage_line(capsys, "demo", option)
+
+
+@pytest.mark.parametrize("under_file", [False, True])
+def test_demo_unwritable_out_is_a_usage_error(monkeypatch, tmp_path, capsys, under_file):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the demo ran despite a usage error")
+
+    monkeypatch.setattr("packloss.tools.demo.cli._worker", refuse)
+    regular = tmp_path / "file"
+    regular.write_text("")
+    out = regular / "sub" if under_file else regular
+    assert main(["demo", "--quick", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("packloss demo: error: --out") and str(out) in err, err

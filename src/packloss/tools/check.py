@@ -63,7 +63,7 @@ class CheckError(Exception):
 
 @dataclass(frozen=True)
 class Comparison:
-    """One bin's per-sequence vs. vectorised results; ``error`` when one of the calls raised."""
+    """One bin's per-sequence vs. vectorised results; the error of each call that raised."""
 
     bin: str
     loss_per_sequence: float | None
@@ -71,7 +71,20 @@ class Comparison:
     loss_abs_diff: float | None
     grad_max_abs_diff: float | None
     grad_rel_diff: float | None
-    error: str | None = None
+    per_sequence_error: str | None = None
+    vectorised_error: str | None = None
+
+    @property
+    def error(self) -> str | None:
+        """Which calls raised and what, or None when both returned."""
+        calls = (("per-sequence", self.per_sequence_error), ("vectorised", self.vectorised_error))
+        raised = [f"{name} call raised {err}" for name, err in calls if err is not None]
+        return "; ".join(raised) or None
+
+    @property
+    def uncheckable(self) -> bool:
+        """Both calling conventions raised: nothing to compare on this bin."""
+        return self.per_sequence_error is not None and self.vectorised_error is not None
 
     @property
     def passed(self) -> bool:
@@ -79,6 +92,12 @@ class Comparison:
             return False
         loss_ok = self.loss_abs_diff <= RTOL * abs(self.loss_per_sequence) + ATOL
         return loss_ok and self.grad_rel_diff <= RTOL
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Type: first line of the message``."""
+    lines = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {lines[0]}" if lines else type(exc).__name__
 
 
 def load_function(target: str) -> Callable:
@@ -93,8 +112,8 @@ def load_function(target: str) -> Callable:
         sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(module_name)
-    except Exception as exc:  # any failure while importing the user's module is reported, not raised
-        raise CheckError(f"cannot import module {module_name!r}: {type(exc).__name__}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # any failure while importing the user's module is reported, not raised
+        raise CheckError(f"cannot import module {module_name!r}: {_one_line(exc)}") from exc
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise CheckError(f"module {module_name!r} has no callable {attr!r}")
@@ -129,15 +148,26 @@ def _loss_and_grad(compute: Callable, streams: Streams, rl_loss_fn: Callable) ->
     return loss.detach().double(), grad.detach().double()
 
 
+def _attempt(compute: Callable, streams: Streams, rl_loss_fn: Callable) -> tuple[tuple | None, str | None]:
+    """:func:`_loss_and_grad`, or the error it raised; a ``sys.exit`` from the function is a
+    :class:`CheckError` (it cannot be checked), never the exit code of ``packloss check``."""
+    try:
+        return _loss_and_grad(compute, streams, rl_loss_fn), None
+    except SystemExit as exc:
+        raise CheckError(f"the function called sys.exit({exc.code!r}) instead of returning") from None
+    except Exception as exc:  # a custom loss may fail in one calling convention only: report it
+        return None, _one_line(exc)
+
+
 def compare_on_bin(fn: Callable, kwargs: dict, streams: Streams, label: str) -> Comparison:
     """Call ``fn`` per sequence and over the bin; the loss difference and the gradient difference
-    (max abs, and max abs relative to the largest per-sequence gradient entry)."""
+    (max abs, and max abs relative to the largest per-sequence gradient entry), or the errors."""
     rl_loss_fn = lambda inputs: fn(inputs, **kwargs)
-    try:
-        loss_ref, grad_ref = _loss_and_grad(reference.compute_loss, streams, rl_loss_fn)
-        loss_vec, grad_vec = _loss_and_grad(prime_rl.compute_loss, streams, rl_loss_fn)
-    except Exception as exc:  # a custom loss may fail in one calling convention only: report it
-        return Comparison(label, None, None, None, None, None, error=f"{type(exc).__name__}: {exc}")
+    ref, ref_error = _attempt(reference.compute_loss, streams, rl_loss_fn)
+    vec, vec_error = _attempt(prime_rl.compute_loss, streams, rl_loss_fn)
+    if ref is None or vec is None:
+        return Comparison(label, None, None, None, None, None, ref_error, vec_error)
+    (loss_ref, grad_ref), (loss_vec, grad_vec) = ref, vec
     grad_diff = float((grad_vec - grad_ref).abs().max())
     grad_scale = max(float(grad_ref.abs().max()), 1e-30)
     return Comparison(
@@ -160,7 +190,7 @@ def check_function(fn: Callable, kwargs: dict) -> list[Comparison]:
 
 def _describe(c: Comparison) -> str:
     if c.error is not None:
-        return f"  FAIL  {c.bin}: raised {c.error}"
+        return f"  FAIL  {c.bin}: {c.error}"
     rel = c.loss_abs_diff / max(abs(c.loss_per_sequence), 1e-30)
     return (
         f"  {'ok  ' if c.passed else 'FAIL'}  {c.bin}: loss per-sequence {c.loss_per_sequence:.6g} vs "
@@ -181,14 +211,24 @@ def report(target: str, comparisons: list[Comparison]) -> str:
     return "\n".join(lines)
 
 
+def _require_checkable(comparisons: list[Comparison]) -> None:
+    """A :class:`CheckError` when both calling conventions raised on every bin (a wrong signature,
+    bad ``--kwargs``): nothing was compared, so there is no verdict."""
+    if all(c.uncheckable for c in comparisons):
+        raise CheckError(
+            f"the function raised on every bin, per sequence and per bin: {comparisons[0].vectorised_error}"
+        )
+
+
 def run(target: str, kwargs_json: str | None = None) -> int:
     """Check ``target`` and print the report; exit code 0 (PASS), 1 (FAIL) or 2 (cannot check)."""
     try:
         fn = load_function(target)
         kwargs = parse_kwargs(kwargs_json)
+        comparisons = check_function(fn, kwargs)
+        _require_checkable(comparisons)
     except CheckError as exc:
-        print(f"packloss check: error: {exc}", file=sys.stderr)
+        print(f"packloss check: error: cannot check {target}: {exc}", file=sys.stderr)
         return 2
-    comparisons = check_function(fn, kwargs)
     print(report(target, comparisons))
     return 0 if all(c.passed for c in comparisons) else 1

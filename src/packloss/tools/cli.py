@@ -14,15 +14,46 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-__all__ = ["main", "build_parser", "run_suite", "SUITES"]
+__all__ = ["main", "build_parser", "run_suite", "positive_int", "device_name", "prepare_out", "SUITES"]
 
 SUITES = ("loss", "distill", "head")
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` for counts: an int of at least 1 (else a usage error naming the option)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def device_name(text: str) -> str:
+    """argparse ``type=`` for ``--device``: ``cpu``, ``cuda`` or ``cuda:N``."""
+    if text in ("cpu", "cuda") or re.fullmatch(r"cuda:\d+", text):
+        return text
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N, got {text!r}")
+
+
+def prepare_out(out: Path) -> str | None:
+    """Create the ``--out`` folder and check that a file can be written in it; why not, or None."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        return f"--out {str(out)!r} is not a writable folder: {exc.strerror or type(exc).__name__}"
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,11 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Time the loss paths against their references (and, for distill/head, their peak memory).",
     )
     bench.add_argument("suite", nargs="?", default="all", choices=(*SUITES, "all"), help="suite to run (default all)")
-    bench.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N (default cpu)")
+    bench.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     bench.add_argument("--quick", action="store_true", help="small sizes and few repeats (about a minute on 2 cores)")
     bench.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default bench-out)")
     bench.add_argument("--no-compile", action="store_true", help="skip the torch.compile column of the loss suite")
-    bench.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    bench.add_argument(
+        "--threads", type=positive_int, default=None, help="torch intra-op threads (default: torch's choice)"
+    )
 
     check = sub.add_parser(
         "check",
@@ -82,18 +115,25 @@ def run_suite(name: str, device: str, quick: bool, progress: Callable[[str], Non
     return result
 
 
+def _usage_error(command: str, message: str) -> int:
+    """Print the one-line ``packloss COMMAND: error: ...`` to stderr; the usage exit code 2."""
+    print(f"packloss {command}: error: {message}", file=sys.stderr)
+    return 2
+
+
 def _bench(args: argparse.Namespace) -> int:
     import torch
 
     from packloss.tools.bench import report
 
     if args.device.startswith("cuda") and not torch.cuda.is_available():
-        print(f"packloss bench: error: --device {args.device} but CUDA is not available", file=sys.stderr)
-        return 2
+        return _usage_error("bench", f"--device {args.device} but CUDA is not available")
+    error = prepare_out(args.out)
+    if error is not None:
+        return _usage_error("bench", error)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     suites = SUITES if args.suite == "all" else (args.suite,)
-    args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}
     with report.progress_display() as progress:
         for name in suites:

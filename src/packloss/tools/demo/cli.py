@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from packloss.tools.cli import positive_int, prepare_out
 from packloss.tools.demo.config import DEFAULT, QUICK, DemoConfig
 from packloss.tools.demo.report import Recorder, acceptance, format_table, plot_curves, progress_kind
 from packloss.tools.demo.train import Dist, run_phases
@@ -28,31 +29,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="a short run (about a minute on 2 CPU cores)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write metrics.jsonl, summary.json, curves.png, params.pt here")
-    parser.add_argument("--nproc", type=int, default=1, help="data-parallel processes (gloo on CPU, NCCL on CUDA)")
+    parser.add_argument("--nproc", type=positive_int, default=1,
+                        help="data-parallel processes (gloo on CPU, NCCL on CUDA)")  # fmt: skip
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--distill", choices=("sampled", "full"), default="sampled",
                         help="sampled-token ref_kl (on-policy distillation) or full-vocabulary reverse KL")  # fmt: skip
     parser.add_argument("--no-baseline", dest="baseline", action="store_false",
                         help="sampled distillation without the mean baseline (raw advantage ref − trn)")  # fmt: skip
-    parser.add_argument("--emulate-ranks", type=int, default=1, metavar="K",
+    parser.add_argument("--emulate-ranks", type=positive_int, default=1, metavar="K",
                         help="one process only: accumulate as K data-parallel ranks would, for bit-exact "
                         "comparison with --nproc K (exact for K <= 2)")  # fmt: skip
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--threads", type=positive_int, default=1, help="torch threads per process")
     parser.add_argument("--progress", choices=("auto", "rich", "tqdm", "plain", "none"), default="auto")
-    parser.add_argument("--sft-steps", type=int, default=None)
-    parser.add_argument("--distill-steps", type=int, default=None)
-    parser.add_argument("--rl-steps", type=int, default=None)
+    parser.add_argument("--sft-steps", type=positive_int, default=None)
+    parser.add_argument("--distill-steps", type=positive_int, default=None)
+    parser.add_argument("--rl-steps", type=positive_int, default=None)
 
 
 def _usage_error(args: argparse.Namespace) -> str | None:
-    """Why the options cannot run, or None."""
+    """Why the options cannot run (an unwritable ``--out`` included: it is created here), or None."""
     if args.nproc < 1 or args.threads < 1 or args.emulate_ranks < 1:
         return "--nproc, --threads and --emulate-ranks must be at least 1"
     if args.nproc > 1 and args.emulate_ranks > 1:
         return "--emulate-ranks is for one process (it emulates --nproc K)"
     if args.device == "cuda" and torch.cuda.device_count() < args.nproc:
         return f"--device cuda needs {args.nproc} GPU(s), found {torch.cuda.device_count()}"
-    return None
+    return None if args.out is None else prepare_out(Path(args.out))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     args.progress = progress_kind(args.progress)
     error = _usage_error(args)
     if error is not None:
-        print(error, file=sys.stderr)
+        print(f"packloss demo: error: {error}", file=sys.stderr)
         return 2
     if args.nproc == 1:
         threads = torch.get_num_threads()
