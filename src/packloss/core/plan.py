@@ -74,7 +74,9 @@ class Component:
                 raise ValueError("normalize='constant' needs constant= (the constant C)")
             if isinstance(self.constant, Tensor):
                 if self.constant.dim() != 0 or self.constant.dtype == torch.bool or self.constant.is_complex():
-                    raise ValueError(f"constant must be a number or a 0-d real tensor, got shape {list(self.constant.shape)}")
+                    raise ValueError(
+                        f"constant must be a number or a 0-d real tensor, got shape {list(self.constant.shape)}"
+                    )
             else:
                 object.__setattr__(self, "constant", _check_number("constant", self.constant))
         elif self.constant is not None:
