@@ -122,3 +122,16 @@ def test_bias_and_bad_shapes_raise(model):
         patch_causal_lm(model)
     with pytest.raises(TypeError, match="model"):
         patch_causal_lm(torch.nn.Linear(3, 3))
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+def test_non_positive_chunk_sizes_raise(bad: int) -> None:
+    model = _llama()
+    input_ids, labels, _ = _batch()
+    with pytest.raises(ValueError, match="chunk_size"):
+        causal_lm_logprobs(model, input_ids, labels, chunk_size=bad)
+    with pytest.raises(ValueError, match="chunk_size"):  # at patch time, not at the first call
+        patch_causal_lm(model, chunk_size=bad)
+    with pytest.raises(ValueError, match="vocab_chunk_size"):
+        patch_causal_lm(model, vocab_chunk_size=bad)
+    assert not hasattr(model, "_packloss_original_forward")

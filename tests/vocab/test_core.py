@@ -22,7 +22,7 @@ from packloss.vocab.core import (
     masked_chunk,
 )
 from packloss.vocab.distill import divergence
-from packloss.vocab.head import linear_distill
+from packloss.vocab.head_distill import linear_distill
 
 CPU = torch.device("cpu")
 

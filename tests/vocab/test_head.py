@@ -15,7 +15,8 @@ from torch.utils._pytree import tree_leaves
 from packloss.testing import OpCounter, run_gloo
 from packloss.vocab.core import VocabParallel
 from packloss.vocab.distill import divergence
-from packloss.vocab.head import linear_distill, linear_logprobs
+from packloss.vocab.head import linear_logprobs
+from packloss.vocab.head_distill import linear_distill
 
 IGNORE = -100
 
@@ -615,4 +616,3 @@ def test_vocab_parallel_matches_single_process():
             _assert_close([got[-1]], [last], 1e-5)
             if run.case != "logprobs":  # per-token scalars only: nothing of size C × V is communicated
                 assert ranks[rank]["collectives"][i] == _expected_distill_collectives(run), run
-

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from packloss.vocab.core import check_positive_int
 from packloss.vocab.head import DEFAULT_VOCAB_CHUNK_SIZE, linear_logprobs
 
 __all__ = ["FusedCausalLMOutput", "causal_lm_logprobs", "next_token_labels", "patch_causal_lm"]
@@ -126,9 +127,13 @@ def patch_causal_lm(
     **kwargs)`` return a :class:`FusedCausalLMOutput` (see module doc); returns ``model`` itself.
 
     Without ``labels`` the original forward runs. Idempotent; the original forward is kept as
-    ``model._packloss_original_forward``.
+    ``model._packloss_original_forward``. ``chunk_size`` and ``vocab_chunk_size`` are validated here
+    (``ValueError`` unless positive ints; ``chunk_size`` may be None), not at the first call.
     """
     _check_model(model)
+    if chunk_size is not None:
+        check_positive_int("chunk_size", chunk_size)
+    check_positive_int("vocab_chunk_size", vocab_chunk_size)
     if hasattr(model, "_packloss_original_forward"):
         return model
     original = model.forward

@@ -4,7 +4,8 @@ and the ``VocabDistill`` engine component, on one vocabulary core (:mod:`packlos
 from packloss.vocab.component import VocabDistill
 from packloss.vocab.core import DIVERGENCES, VocabParallel
 from packloss.vocab.distill import divergence, forward_kl, jsd, reverse_kl, soft_cross_entropy
-from packloss.vocab.head import linear_distill, linear_logprobs
+from packloss.vocab.head import linear_logprobs
+from packloss.vocab.head_distill import linear_distill
 
 __all__ = [
     "VocabParallel",

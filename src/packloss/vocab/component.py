@@ -9,7 +9,7 @@ with ``L_t`` the divergence of :func:`~packloss.vocab.distill.divergence`. Two p
 
 * **logits** (``Outputs(logits=s)``): ``L [N]`` from :func:`~packloss.vocab.distill.divergence`; the
   engine reduces it, and the gradient flows through its row-scaled backward (one ``[N, V]`` buffer).
-* **hidden states** (``Outputs(hidden=h, head_weight=W)``): fused, :func:`~packloss.vocab.head.linear_distill`
+* **hidden states** (``Outputs(hidden=h, head_weight=W)``): fused, :func:`~packloss.vocab.head_distill.linear_distill`
   with the coefficients ``m·w/(d·D)``; the ``N × V`` logits never exist and the component returns the
   term itself (``ComponentOutput.loss``).
 
@@ -36,7 +36,7 @@ from packloss.vocab.core import (
     compute_dtype,
 )
 from packloss.vocab.distill import divergence
-from packloss.vocab.head import linear_distill
+from packloss.vocab.head_distill import linear_distill
 
 if TYPE_CHECKING:
     from packloss.core.plan import Plan

@@ -279,9 +279,11 @@ GradFn = Callable[[State, Tensor, float, float], LossGrad]
 
 def reverse_kl_sums(log_q: Tensor, log_p: Tensor, beta: float, teacher_format: TeacherFormat) -> Sums:
     """Reverse KL ``L = Σ_v q (log q − log p)``: sums ``[L]`` (``[1, c]``), state ``(q, log q − log p)``.
-    A teacher with exact zero probabilities where ``q > 0`` gives ``L = +inf`` (the true value)."""
+    Terms with ``q = 0`` count 0 (a padded vocabulary: ``−inf − (−inf)``); a teacher zero where ``q > 0``
+    gives ``L = +inf`` (the true value)."""
     diff = log_p.neg_().add_(log_q)  # [c, V], log q − log p
     q = log_q.exp_()  # [c, V]
+    diff.masked_fill_(q == 0, 0.0)  # 0 · (anything) = 0, also in the gradient q (diff − L)
     return (q * diff).sum(-1)[None], (q, diff)
 
 
@@ -302,15 +304,16 @@ def forward_kl_sums(log_q: Tensor, log_p: Tensor, beta: float, teacher_format: T
     ``(log q, p)``."""
     p = log_p.exp()  # [c, V]
     term = log_p.sub_(log_q).mul_(p)  # [c, V], p (log p − log q)
-    if teacher_format == "probs":  # log p = −inf where p = 0: 0 · (−inf) must count 0
-        term = torch.where(p > 0, term, 0.0)
+    term.masked_fill_(p == 0, 0.0)  # log p = −inf where p = 0 (any teacher format): 0 · (−inf) counts 0
     return term.sum(-1)[None], (log_q, p)
 
 
 def soft_cross_entropy_sums(log_q: Tensor, log_p: Tensor, beta: float, teacher_format: TeacherFormat) -> Sums:
-    """Soft cross-entropy ``L = −Σ_v p log q`` (forward KL + H(p)): sums ``[L]``, state ``(log q, p)``."""
+    """Soft cross-entropy ``L = −Σ_v p log q`` (forward KL + H(p)), terms with ``p = 0`` counting 0 (a
+    padded vocabulary has ``log q = −inf`` there): sums ``[L]``, state ``(log q, p)``."""
     p = log_p.exp_()  # [c, V]
-    return (p * log_q).sum(-1).neg_()[None], (log_q, p)
+    term = (p * log_q).masked_fill_(p == 0, 0.0)  # [c, V]
+    return term.sum(-1).neg_()[None], (log_q, p)
 
 
 def q_minus_p_grad(state: State, sums: Tensor, beta: float, temperature: float) -> LossGrad:
@@ -330,14 +333,13 @@ def jsd_sums(log_q: Tensor, log_p: Tensor, beta: float, teacher_format: TeacherF
         m = β p + (1 − β) q,   L = β KL(p‖m) + (1 − β) KL(q‖m)
 
     ``log m`` is elementwise, so the sums are ``[KL(p‖m), KL(q‖m)]`` (``[2, c]``), the state
-    ``(q, log q − log m)``."""
+    ``(q, log q − log m)``; terms with ``p = 0`` (resp. ``q = 0``) count 0."""
     log_m = torch.logaddexp(log_p + math.log(beta), log_q + math.log1p(-beta))  # [c, V]
     p = log_p.exp()  # [c, V]
-    term_p = log_p.sub_(log_m).mul_(p)  # [c, V], p (log p − log m)
-    if teacher_format == "probs":  # 0 · (−inf) must count 0
-        term_p = torch.where(p > 0, term_p, 0.0)
+    term_p = log_p.sub_(log_m).mul_(p).masked_fill_(p == 0, 0.0)  # [c, V], p (log p − log m); 0 · (−inf) = 0
     diff = log_m.neg_().add_(log_q)  # [c, V], log q − log m
     q = log_q.exp_()  # [c, V]
+    diff.masked_fill_(q == 0, 0.0)  # padded vocabulary: −inf − (−inf)
     return torch.stack([term_p.sum(-1), (q * diff).sum(-1)]), (q, diff)
 
 

@@ -21,13 +21,20 @@ the gradient into one ``[N, V]`` tensor of the logits' dtype and saves only that
 chunk by chunk in float32, writing back in place, so no second ``[N, V]`` tensor exists (when the
 backward retains the graph, ``retain_graph=True``, it writes to a new tensor instead, so repeated
 backwards stay correct). Non-member rows are exactly zero in the saved gradient and ``g`` is zeroed
-there too, so their logits may hold anything (±inf, NaN). No host synchronisation.
+there too, so their logits may hold anything (±inf, NaN). No host synchronisation. The gradient is
+first-order only: differentiating it again (``create_graph=True``) raises ``RuntimeError``.
+
+Edges: terms with ``p = 0`` or ``q = 0`` count 0 (``0 · log 0 = 0``) whatever the teacher format, so a
+teacher with ``−inf`` logits and a padded vocabulary (``−inf`` at the same entries of student and
+teacher) give finite values and a zero gradient on the padded entries; a teacher zero where ``q > 0``
+gives reverse KL ``+inf`` (the true value). ``N = 0`` gives an empty ``[0]`` result.
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from packloss.vocab.core import (
     ChunkRun,
@@ -78,6 +85,7 @@ class _PerToken(torch.autograd.Function):
         return loss
 
     @staticmethod
+    @once_differentiable  # first order only: a second backward raises instead of going silently wrong
     def backward(ctx, grad_output: Tensor):
         grad, mask = ctx.saved_tensors
         g = grad_output if mask is None else torch.where(mask, grad_output, 0.0)  # [N]; no 0 · NaN rows
@@ -97,6 +105,8 @@ def _check_logits(student: object, teacher: object) -> None:
         raise ValueError(
             f"student and teacher logits must both be [N, V], got {tuple(student.shape)} and {tuple(teacher.shape)}"
         )
+    if student.shape[1] == 0:
+        raise ValueError(f"student_logits must have a vocabulary of V >= 1 entries, got {tuple(student.shape)}")
 
 
 def _check_mask(loss_mask: object, n: int) -> Tensor | None:

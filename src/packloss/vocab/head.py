@@ -1,4 +1,4 @@
-"""Fused LM head: per-token log-probs, entropy and distillation losses straight from hidden states.
+"""Fused LM head: per-token log-probs and entropy straight from hidden states.
 
 For hidden states ``h [N, H]`` and the output weight ``W [V, H]`` the logits of token ``i`` are
 ``z_i = W h_i``, ``l_i = c · tanh(z_i / c)`` (softcap ``c``, Gemma style; else ``l_i = z_i``) and
@@ -14,10 +14,8 @@ vocab blocks ``[B, H]`` of ``W`` and keeps, per token, an online log-sum-exp sta
 logit is gathered branch-free (every block adds ``torch.where(in_block, x[label], 0)``). The backward
 recomputes each block's logits (:func:`_logprobs_backward`).
 
-:func:`linear_distill` builds per token chunk the ``[C, V]`` student (and teacher) logits, calls the
-shared per-chunk core (:func:`~packloss.vocab.core.chunk_core`) for the per-token losses and
-``c_t · ∂L_t/∂s_t``, and accumulates ``d_hidden`` and ``d_weight`` in the forward; the backward only
-scales them by the incoming gradient, in place.
+:func:`~packloss.vocab.head_distill.linear_distill` (distillation from hidden states) lives in
+:mod:`packloss.vocab.head_distill` and shares this module's validation.
 
 Vocab-parallel (``parallel=VocabParallel(group)``): ``weight`` is this rank's contiguous vocabulary
 shard ``[V_local, H]``; ``hidden`` and ``labels`` (global ids) are replicated. Only per-token scalars
@@ -30,32 +28,25 @@ outputs are in the compute dtype, gradients in the dtype of their input.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from packloss.vocab.core import (
     MATMUL,
-    ChunkRun,
-    DivergenceSpec,
-    Impl,
-    TeacherFormat,
     VocabParallel,
     check_parallel,
     check_positive_int,
     check_temperature,
-    chunk_core,
     chunk_ranges,
     chunk_rows,
     compute_dtype,
-    graph_is_kept,
-    resolve_impl,
 )
 
-__all__ = ["linear_logprobs", "linear_distill", "DEFAULT_VOCAB_CHUNK_SIZE"]
+__all__ = ["linear_logprobs", "DEFAULT_VOCAB_CHUNK_SIZE", "check_head", "check_tokens"]
 
 DEFAULT_VOCAB_CHUNK_SIZE = 8192
 
@@ -64,7 +55,7 @@ DEFAULT_VOCAB_CHUNK_SIZE = 8192
 # validation
 
 
-def _check_head(hidden: object, weight: object) -> None:
+def check_head(hidden: object, weight: object) -> None:
     """Raise a clear error unless ``hidden [N, H]`` and ``weight [V, H]`` are floating tensors."""
     if isinstance(weight, torch.nn.Module):
         raise TypeError("weight must be a Tensor [V, H], got a Module; pass its .weight (bias-free output layers only)")
@@ -78,9 +69,11 @@ def _check_head(hidden: object, weight: object) -> None:
     if hidden.shape[1] != weight.shape[1]:
         shapes = f"{tuple(hidden.shape)} vs {tuple(weight.shape)}"
         raise ValueError(f"hidden [N, H] and weight [V, H] disagree on H: {shapes}")
+    if weight.shape[0] == 0:
+        raise ValueError(f"weight must have V >= 1 vocabulary rows, got shape {tuple(weight.shape)}")
 
 
-def _check_tokens(name: str, t: object, n: int, kind: str) -> None:
+def check_tokens(name: str, t: object, n: int, kind: str) -> None:
     """``t`` must be an ``[N]`` tensor of ``kind``: ``"integer"``, ``"floating"`` or ``"any"``."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -97,7 +90,7 @@ def _inverse_temperature(temperature: float | Tensor, n: int, dtype: torch.dtype
     if isinstance(temperature, Tensor):
         if temperature.dim() == 0:
             temperature = temperature.reshape(1).expand(n)
-        _check_tokens("temperature", temperature, n, "any")
+        check_tokens("temperature", temperature, n, "any")
         return 1.0 / temperature.detach().to(device=device, dtype=dtype)
     return torch.full((n,), 1.0 / check_temperature("temperature", temperature), device=device, dtype=dtype)
 
@@ -173,6 +166,26 @@ def _group_stats(
     return m_g, stacked[0], (None if b is None else stacked[2]), stacked[1]
 
 
+def _check_label_range(labels: Tensor, ignore_index: int, v_local: int, start: int, group: object | None) -> None:
+    """``ValueError`` naming ``labels`` unless every label but ``ignore_index`` is in ``[0, V)`` (with
+    ``group``: owned by exactly one vocabulary shard). One host sync (and a SUM all-reduce of ``[N]``)."""
+    if labels.numel() == 0:
+        return
+    labels = labels.to(torch.int64)  # [N]
+    valid = labels != ignore_index  # [N]
+    owned = (valid & (labels >= start) & (labels < start + v_local)).to(torch.int32)  # [N]
+    if group is not None:
+        dist.all_reduce(owned, op=dist.ReduceOp.SUM, group=group)
+    bad = valid & (owned != 1)  # [N]
+    big = torch.iinfo(torch.int64)
+    lo, hi = torch.where(bad, labels, big.max).amin(), torch.where(bad, labels, big.min).amax()
+    count, lo, hi = torch.stack([bad.sum(), lo, hi]).tolist()  # the one host sync
+    if count:
+        where = f"[0, {v_local})" if group is None else "exactly one vocabulary shard"
+        msg = f"labels must be in {where} or equal ignore_index={ignore_index}; {count} are not, in [{lo}, {hi}]"
+        raise ValueError(msg)
+
+
 # ----------------------------------------------------------------------------------------------
 # linear_logprobs
 
@@ -194,6 +207,9 @@ def _logprobs_forward(
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Return ``(logZ [N], label logit [N], entropy [N] | None)`` (label logit 0 when not owned)."""
     cdt = inv_t.dtype
+    if hidden.shape[0] == 0:  # N = 0: empty outputs (torch.cat needs at least one chunk)
+        empty = inv_t.new_zeros(0)  # [0]
+        return empty, empty, (empty if cfg.entropy else None)
     ms, ss, bs, labs = [], [], [], []
     for t0, t1 in chunk_ranges(hidden.shape[0], cfg.chunk_size):
         h_in = _chunk_input(hidden[t0:t1].to(cdt), inv_t[t0:t1], cfg.softcap)  # [C, H]
@@ -222,18 +238,24 @@ def _logprobs_backward(
     """Recompute each block's logits and apply ``∂logprob/∂x_v = 1[v = y] − p_v``,
     ``∂entropy/∂x_v = −p_v (log p_v + entropy)`` and ``∂x/∂z = (1 − tanh²(z/c)) / T`` (softcap) or
     ``1 / T``: ``∂x = g_lp (1[v = y] − p) − g_ent p (log p + entropy)``, ``log p = x − logZ``, chained to
-    ``d_hidden += dz @ W_block`` and ``d_weight[block] += dzᵀ @ h`` (``g_lp`` zero for ignored labels)."""
+    ``d_hidden += dz @ W_block`` and ``d_weight[block] += dzᵀ @ h`` (``g_lp`` zero for ignored labels).
+
+    Rows whose incoming gradients are all zero (ignored labels, entropy unused) contribute exactly 0:
+    their hidden state, ``1 / T``, ``logZ`` and entropy are replaced by finite constants first, so NaN or
+    inf there never reaches ``d_weight`` or the other rows (``0 · NaN``)."""
     hidden, weight, labels, inv_t, log_z, entropy = saved
     cdt = inv_t.dtype
     d_h = torch.zeros(hidden.shape, dtype=cdt, device=hidden.device) if need_h else None  # [N, H]
     d_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None  # [V, H]
     for t0, t1 in chunk_ranges(hidden.shape[0], cfg.chunk_size):
-        inv_t_c = inv_t[t0:t1]
-        h_in = _chunk_input(hidden[t0:t1].to(cdt), inv_t_c, cfg.softcap)  # [C, H]
-        lz = log_z[t0:t1, None]  # [C, 1]
         g = g_lp[t0:t1]  # [C]
+        live = g != 0 if g_ent is None else (g != 0) | (g_ent[t0:t1] != 0)  # [C]
+        inv_t_c = torch.where(live, inv_t[t0:t1], 1.0)  # [C]
+        h_c = hidden[t0:t1].to(cdt).masked_fill(~live[:, None], 0.0)  # [C, H], a copy: dead rows 0
+        h_in = _chunk_input(h_c, inv_t_c, cfg.softcap)  # [C, H]
+        lz = torch.where(live, log_z[t0:t1], 0.0)[:, None]  # [C, 1]
         if g_ent is not None:
-            ge, ent_c = g_ent[t0:t1, None], entropy[t0:t1, None]  # [C, 1]
+            ge, ent_c = g_ent[t0:t1, None], torch.where(live, entropy[t0:t1], 0.0)[:, None]  # [C, 1]
         for v0, v1 in chunk_ranges(weight.shape[0], cfg.vocab_chunk_size):
             w_b = weight[v0:v1].to(cdt)  # [B, H]
             x, th = _block_logits(h_in, w_b, inv_t_c, cfg.softcap)  # [C, B]
@@ -271,6 +293,7 @@ class _LinearLogprobs(torch.autograd.Function):
         return logprobs, ent
 
     @staticmethod
+    @once_differentiable  # first order only: a second backward raises instead of going silently wrong
     def backward(ctx, g_lp, g_ent):
         *saved, valid = ctx.saved_tensors
         hidden, weight, cfg = saved[0], saved[1], ctx.cfg
@@ -297,6 +320,7 @@ def linear_logprobs(
     softcap: float | None = None,
     ignore_index: int = -100,
     parallel: VocabParallel | None = None,
+    check_labels: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """Per-token log-probs of ``labels`` (and entropy) under ``softmax(softcap(h Wᵀ) / T)``, fused.
 
@@ -314,17 +338,23 @@ def linear_logprobs(
         softcap: ``c`` of ``l = c·tanh(z / c)``, applied to the raw logits before the temperature.
         ignore_index: label value whose log-prob is 0 and receives no gradient. The entropy does not
             depend on the label, so it is computed at every position (mask it yourself); with
-            ``entropy_grad`` its gradient flows wherever the caller's loss uses it.
+            ``entropy_grad`` its gradient flows wherever the caller's loss uses it. Rows that get no
+            gradient (ignored, entropy unused) may hold NaN / inf hidden states: their outputs are
+            then NaN, but no gradient is touched. Select the entropy of valid rows with ``torch.where``,
+            not by multiplying with a mask (``NaN · 0 = NaN`` in the loss itself).
         parallel: :class:`~packloss.vocab.core.VocabParallel` for a vocab-parallel ``weight`` (see
             the module doc); its ``vocab_start`` (default ``rank · V_local``) places the labels.
+        check_labels: raise ``ValueError`` for labels outside ``[0, V)`` other than ``ignore_index``
+            (with ``parallel``: not owned by exactly one shard). Off by default: the check costs one host
+            sync (and an all-reduce of ``[N]``); unchecked, such a label silently gets ``−logZ``.
 
     Returns:
-        ``(logprobs [N], entropy [N] | None)`` in float32 (float64 for float64 inputs). Labels outside
-        ``[0, V)`` other than ``ignore_index`` are not checked (that would need a host sync).
+        ``(logprobs [N], entropy [N] | None)`` in float32 (float64 for float64 inputs); empty for
+        ``N = 0``. First-order only: differentiating the gradient again raises ``RuntimeError``.
     """
-    _check_head(hidden, weight)
+    check_head(hidden, weight)
     n, v_local = hidden.shape[0], weight.shape[0]
-    _check_tokens("labels", labels, n, "integer")
+    check_tokens("labels", labels, n, "integer")
     check_positive_int("vocab_chunk_size", vocab_chunk_size)
     rows = chunk_rows(min(vocab_chunk_size, v_local), hidden.device, chunk_size, budget=MATMUL)
     if softcap is not None and not softcap > 0:
@@ -343,158 +373,8 @@ def linear_logprobs(
         group=None if parallel is None else parallel.group,
         vocab_start=0 if parallel is None else parallel.start(v_local),
     )
+    if check_labels:
+        _check_label_range(labels, ignore_index, v_local, cfg.vocab_start, cfg.group)
     inv_t = _inverse_temperature(temperature, n, cdt, hidden.device)
     logprobs, entropy = _LinearLogprobs.apply(hidden, weight, labels, inv_t, cfg)
     return logprobs, (entropy if return_entropy else None)
-
-
-# ----------------------------------------------------------------------------------------------
-# linear_distill
-
-
-_TeacherBlock = Callable[[int, int], Tensor]  # (t0, t1) -> [C, V_local] teacher block
-
-
-def _distill_forward(
-    hidden: Tensor, weight: Tensor, teacher_block: _TeacherBlock, mask: Tensor | None, coef: Tensor, run: ChunkRun,
-    need_h: bool, need_w: bool,
-) -> tuple[Tensor, Tensor | None, Tensor | None]:  # fmt: skip
-    """``(L [N], d_hidden [N, H] | None, d_weight [V_local, H] | None)`` with ``d = Σ_t c_t ∂L_t/∂·``,
-    chunk by chunk over tokens (``L`` 0 off the members)."""
-    cdt = coef.dtype
-    w = weight.to(cdt)  # [V_local, H]
-    per_token = torch.empty(hidden.shape[0], dtype=cdt, device=hidden.device)  # [N]
-    d_h = torch.empty(hidden.shape, dtype=cdt, device=hidden.device) if need_h else None  # [N, H]
-    d_w = torch.zeros(w.shape, dtype=cdt, device=w.device) if need_w else None  # [V_local, H]
-    for t0, t1 in chunk_ranges(hidden.shape[0], run.rows):
-        m_c = None if mask is None else mask[t0:t1]  # [C]
-        h_c = hidden[t0:t1].to(cdt)  # [C, H]
-        h_c = h_c if m_c is None else h_c.masked_fill(~m_c[:, None], 0.0)  # no inf/NaN into d_weight
-        # L [C] and c · ∂L/∂s [C, V_local], zero rows off the members
-        per_token[t0:t1], grad = chunk_core(h_c @ w.T, teacher_block(t0, t1), m_c, coef[t0:t1], run)
-        if d_h is not None:
-            torch.mm(grad, w, out=d_h[t0:t1])
-        if d_w is not None:
-            d_w.addmm_(grad.T, h_c)
-    if d_h is not None and run.parallel is not None:
-        dist.all_reduce(d_h, op=dist.ReduceOp.SUM, group=run.parallel.group)
-    return per_token, d_h, d_w
-
-
-def _times(x: Tensor | None, g: Tensor, dtype: torch.dtype) -> Tensor | None:
-    """``x · g`` cast to ``dtype``: in place unless the running backward keeps the graph."""
-    if x is None:
-        return None
-    return (x * g if graph_is_kept() else x.mul_(g)).to(dtype)
-
-
-class _LinearDistill(torch.autograd.Function):
-    """Forward: ``Σ_t c_t L_t``, the detached ``L [N]``, ``d_hidden`` and ``d_weight``; backward: the
-    saved gradients times ``grad_output``, in place unless the graph is kept."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, teacher_block, mask, coef, run: ChunkRun):
-        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        per_token, d_h, d_w = _distill_forward(hidden, weight, teacher_block, mask, coef, run, need_h, need_w)
-        ctx.save_for_backward(d_h, d_w)
-        ctx.dtypes = (hidden.dtype, weight.dtype)
-        ctx.mark_non_differentiable(per_token)
-        return (coef * per_token).sum(), per_token
-
-    @staticmethod
-    def backward(ctx, grad_loss, grad_per_token):
-        d_h, d_w = ctx.saved_tensors
-        h_dtype, w_dtype = ctx.dtypes
-        return _times(d_h, grad_loss, h_dtype), _times(d_w, grad_loss, w_dtype), None, None, None, None
-
-
-def _teacher_blocks(
-    logits: Tensor | None, hidden: Tensor | None, weight: Tensor | None, fmt: TeacherFormat, n: int, v: int,
-    cdt: torch.dtype,
-) -> _TeacherBlock:  # fmt: skip
-    """A function ``(t0, t1) -> [C, V_local]`` teacher block in ``cdt``, from logits or a teacher head."""
-    if logits is not None:
-        if hidden is not None or weight is not None:
-            raise ValueError("give teacher_logits or teacher_hidden + teacher_weight, not both")
-        if not isinstance(logits, Tensor) or logits.shape != (n, v):
-            shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
-            raise ValueError(f"teacher_logits must be [N, V_local] = {(n, v)}, got {shape}")
-        logits = logits.detach()
-        return lambda t0, t1: logits[t0:t1].to(cdt)  # [C, V_local]
-    if hidden is None or weight is None:
-        raise ValueError("give teacher_logits, or both teacher_hidden and teacher_weight")
-    if fmt != "logits":
-        raise ValueError(f"teacher_format applies to teacher_logits (a teacher head gives logits), got {fmt!r}")
-    _check_head(hidden, weight)
-    if hidden.shape[0] != n or weight.shape[0] != v:
-        shapes = f"{tuple(hidden.shape)} and {tuple(weight.shape)}"
-        raise ValueError(f"teacher_hidden [N, H_t] and teacher_weight [V_local, H_t] need N={n}, V_local={v}: {shapes}")
-    hidden, weight = hidden.detach(), weight.detach().to(cdt)
-    return lambda t0, t1: hidden[t0:t1].to(cdt) @ weight.T  # [C, V_local]
-
-
-def _coefficients(coefficients: Tensor | None, mask: Tensor | None, n: int, cdt: torch.dtype, device: torch.device):
-    """``c [N]`` in ``cdt``: the given coefficients (detached) or 1, and exactly 0 off the members."""
-    if coefficients is None:
-        return torch.ones(n, dtype=cdt, device=device) if mask is None else mask.to(cdt)
-    _check_tokens("coefficients", coefficients, n, "floating")
-    c = coefficients.detach().to(cdt)
-    return c if mask is None else torch.where(mask, c, 0.0)
-
-
-def linear_distill(
-    hidden: Tensor,
-    weight: Tensor,
-    teacher_logits: Tensor | None = None,
-    *,
-    teacher_hidden: Tensor | None = None,
-    teacher_weight: Tensor | None = None,
-    kind: str = "reverse_kl",
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    teacher_temperature: float = 1.0,
-    teacher_format: TeacherFormat = "logits",
-    loss_mask: Tensor | None = None,
-    coefficients: Tensor | None = None,
-    chunk_size: int | None = None,
-    impl: Impl | None = None,
-    parallel: VocabParallel | None = None,
-) -> tuple[Tensor, Tensor]:
-    """Distillation of the student head ``s = h Wᵀ`` against a teacher, never holding ``N × V``:
-    ``loss = Σ_t c_t · L_t`` over the members, ``L_t`` the divergence ``kind`` of
-    :func:`~packloss.vocab.distill.divergence` between ``softmax(s_t / T)`` and ``softmax(t_t / T_t)``.
-
-    Args:
-        hidden, weight: the student head, ``[N, H]`` and ``[V, H]`` (with ``parallel``: ``weight`` is
-            this rank's vocabulary shard ``[V_local, H]``, shards of any sizes; ``hidden`` replicated).
-        teacher_logits: ``[N, V]`` (``[N, V_local]`` with ``parallel``) in ``teacher_format``, or instead
-        teacher_hidden, teacher_weight: a teacher head ``[N, H_t]``, ``[V, H_t]`` (sharded alike). The
-            teacher receives no gradient.
-        kind, beta, temperature, teacher_temperature, teacher_format, impl: as in ``divergence``.
-        loss_mask: ``[N]`` bool members (None: all); non-members contribute exactly 0 to the loss and
-            the gradients, whatever their rows or coefficients hold.
-        coefficients: ``[N]`` float weights ``c_t``, constants; default 1 (e.g. ``mask / count``: a
-            token mean).
-        chunk_size: tokens per chunk (default ``chunk_rows(V_local, budget=MATMUL)``); scratch is
-            ``O(chunk × V_local)`` float32.
-        parallel: :class:`~packloss.vocab.core.VocabParallel`: per chunk MAX ``[2, C]``, SUM ``[2, C]``
-            and SUM ``[k, C]`` all-reduces, then SUM of ``d_hidden`` once.
-
-    Returns:
-        ``(loss, per_token)``: ``loss`` 0-d in the compute dtype (float32; float64 for float64
-        inputs), differentiable w.r.t. ``hidden`` and ``weight`` (gradients computed in the forward,
-        kept until backward, then scaled in place); ``per_token [N]`` the detached ``L_t``, 0 off the
-        members.
-    """
-    _check_head(hidden, weight)
-    n, v_local = hidden.shape[0], weight.shape[0]
-    spec = DivergenceSpec(kind, beta, temperature, teacher_temperature, teacher_format)
-    cdt = compute_dtype(hidden.dtype, weight.dtype)
-    teacher_block = _teacher_blocks(teacher_logits, teacher_hidden, teacher_weight, teacher_format, n, v_local, cdt)
-    if loss_mask is not None:
-        _check_tokens("loss_mask", loss_mask, n, "any")
-        loss_mask = loss_mask.to(torch.bool)
-    coef = _coefficients(coefficients, loss_mask, n, cdt, hidden.device)
-    rows = chunk_rows(v_local, hidden.device, chunk_size, budget=MATMUL)
-    run = ChunkRun(spec, rows, resolve_impl(impl, hidden.device), check_parallel(parallel))
-    return _LinearDistill.apply(hidden, weight, teacher_block, loss_mask, coef, run)
