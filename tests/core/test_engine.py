@@ -18,6 +18,7 @@ from packloss import (
     Outputs,
     PGParams,
     Plan,
+    VocabDistill,
     compute_loss,
     count_denominators,
     merge_metrics,
@@ -168,20 +169,26 @@ def test_all_components_together_sum_their_terms():
     adv = torch.randn(12, generator=g)
     ref = (inference + 0.2 * torch.randn(12, generator=g)).clamp_max(0)
     entropy = torch.rand(12, generator=g)
+    logits, teacher = torch.randn(12, 9, generator=g, requires_grad=True), torch.randn(12, 9, generator=g)
     components = {
         "rl": Component(DPPO, mask=mask, normalize="sequence_mean"),
         "sft": Component(SFT(), mask=~mask),
         "distill": Component(REF_KL, mask=mask, weights=torch.rand(12, generator=g)),
         "ent": Component(Entropy(0.01), mask=mask),
+        "kd": Component(VocabDistill("forward_kl"), mask=mask, normalize="position"),
     }
-    plan = Plan(seq_lens, components, inference_logprobs=inference, ref_logprobs=ref, advantages=adv)
-    outputs = Outputs(logprobs=trainer, entropy=entropy)
+    streams = dict(inference_logprobs=inference, ref_logprobs=ref, advantages=adv, teacher_logits=teacher)
+    plan = Plan(seq_lens, components, **streams)
+    outputs = Outputs(logprobs=trainer, entropy=entropy, logits=logits)
     together = compute_loss(plan, outputs)
-    parts = [compute_loss(Plan(seq_lens, {k: c}, inference, ref, adv), outputs).loss for k, c in components.items()]
+    parts = [compute_loss(Plan(seq_lens, {k: c}, **streams), outputs).loss for k, c in components.items()]
     assert torch.allclose(together.loss, sum(parts), rtol=1e-6)
     assert sorted(together.terms) == sorted(components)
     for name in components:
         assert f"{name}/loss" in together.metrics and f"{name}/loss" in together.counts
+    assert "kd/forward_kl" in together.metrics
+    together.loss.backward()
+    assert logits.grad.abs().sum() > 0 and trainer.grad.abs().sum() > 0
 
 
 def test_every_component_empty_still_backpropagates_zero():

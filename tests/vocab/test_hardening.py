@@ -1,4 +1,4 @@
-"""packloss.vocab hardening (issue 13): 0 · log 0 edges, non-finite ignored rows, double backward, labels out
+"""packloss.vocab hardening: 0 · log 0 edges, non-finite ignored rows, double backward, labels out
 of range, empty N / V and chunk sizes, on the logits path and the hidden-state path."""
 
 from __future__ import annotations
