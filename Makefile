@@ -4,7 +4,7 @@ TORCH ?= torch==2.13.0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo bench lint
+.PHONY: setup test demo bench bench-gpu lint
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -22,6 +22,11 @@ demo: setup
 
 bench: setup
 	$(VENV)/bin/packloss bench all --threads 1 --out bench-out
+
+# On a CUDA machine (with a CUDA torch, e.g. TORCH=torch): sync checks, GPU equivalence, every suite,
+# figures written into docs/benchmarks.md.
+bench-gpu: setup
+	$(PY) scripts/gpu_check.py --out bench-out-gpu
 
 lint: setup
 	$(PY) -m ruff check src tests
