@@ -179,7 +179,7 @@ def _check_label_range(labels: Tensor, ignore_index: int, v_local: int, start: i
     bad = valid & (owned != 1)  # [N]
     big = torch.iinfo(torch.int64)
     lo, hi = torch.where(bad, labels, big.max).amin(), torch.where(bad, labels, big.min).amax()
-    count, lo, hi = torch.stack([bad.sum(), lo, hi]).tolist()  # the one host sync
+    count, lo, hi = torch.stack([bad.sum(), lo, hi]).tolist()  # sync-ok: the opt-in check_labels read
     if count:
         where = f"[0, {v_local})" if group is None else "exactly one vocabulary shard"
         msg = f"labels must be in {where} or equal ignore_index={ignore_index}; {count} are not, in [{lo}, {hi}]"
