@@ -99,6 +99,15 @@ def _local_counts(plan: Plan, name: str, mode: Normalize, num_groups: int, dtype
     return torch.zeros(0, dtype=dtype, device=m.device)
 
 
+def _denominator(mode: Normalize, constant: float | Tensor | None, counts: Tensor) -> Tensor | float:
+    """``D`` of a mode from its additive counts (:func:`_local_counts`, summed), clamped to at least 1."""
+    if mode is Normalize.CONSTANT:
+        return constant
+    if mode is Normalize.GROUP_MEAN:
+        return (counts > 0).sum(dtype=counts.dtype).clamp_min(1)
+    return counts[0].clamp_min(1)
+
+
 @dataclass(frozen=True, eq=False)
 class StepDenominators:
     """The counts of a whole step (every micro-batch, every rank), per component.
@@ -114,15 +123,7 @@ class StepDenominators:
 
     def __post_init__(self) -> None:
         # D of every component, derived once here rather than in every compute_loss call.
-        out: dict[str, Tensor | float] = {}
-        for name, (mode, constant) in self.modes.items():
-            counts = self.counts[name]
-            if mode is Normalize.CONSTANT:
-                out[name] = constant
-            elif mode is Normalize.GROUP_MEAN:
-                out[name] = (counts > 0).sum(dtype=counts.dtype).clamp_min(1)
-            else:
-                out[name] = counts[0].clamp_min(1)
+        out = {name: _denominator(mode, constant, self.counts[name]) for name, (mode, constant) in self.modes.items()}
         object.__setattr__(self, "denominators", out)
 
     def denominator(self, name: str) -> Tensor | float:
@@ -263,23 +264,18 @@ def aggregation(plan: Plan, name: str, denominators: StepDenominators | None, dt
     m = plan.members[name]
     weights = plan.weights[name]
     weights = None if weights is None else weights.to(dtype)
-    divisor: Tensor | None = None
     if mode is Normalize.CONSTANT:
-        denominator: Tensor | float = comp.constant
+        counts, denominator = None, comp.constant
     elif denominators is not None:
+        counts = denominators.counts[name]
         denominator = denominators.denominator(name).to(dtype)  # float64 counts → the compute dtype
     else:
-        local = _local_counts(plan, name, mode, plan.num_groups, dtype)
-        denominator = (
-            (local > 0).sum(dtype=dtype).clamp_min(1) if mode is Normalize.GROUP_MEAN else local[0].clamp_min(1)
-        )
+        counts = _local_counts(plan, name, mode, plan.num_groups, dtype)
+        denominator = _denominator(mode, None, counts)
+    divisor: Tensor | None = None
     if mode is Normalize.SEQUENCE_MEAN:
         per_seq = segment_count(m, plan.layout.seq_ids, plan.num_seqs).to(dtype)  # [S]
         divisor = broadcast(per_seq.clamp_min(1), plan.layout.seq_ids)  # [N]
     elif mode is Normalize.GROUP_MEAN:
-        if denominators is not None:
-            per_group = denominators.counts[name].to(dtype)  # [G]
-        else:
-            per_group = _local_counts(plan, name, mode, plan.num_groups, dtype)
-        divisor = per_group.clamp_min(1).index_select(0, plan.group_index)  # [N]
+        divisor = counts.to(dtype).clamp_min(1).index_select(0, plan.group_index)  # [G] → [N]
     return Aggregation(mask=m, weights=weights, divisor=divisor, denominator=denominator)
