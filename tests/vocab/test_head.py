@@ -454,6 +454,8 @@ class _Run(NamedTuple):
 _PARALLEL_RUNS = [
     _Run("logprobs", 30, False),
     _Run("logprobs", 31, True),
+    _Run("logprobs:auto", 31, True),  # uneven shards without vocab_start
+    _Run("logprobs:auto", 30, False),
     _Run("reverse_kl", 30, True, teacher="head"),
     _Run("forward_kl", 31, False, teacher="logits"),
     _Run("jsd", 30, False, beta=0.3, teacher="head"),
@@ -512,10 +514,12 @@ def _run_case(run: _Run, start: int, stop: int, parallel) -> list[torch.Tensor]:
         (d_logits,) = torch.autograd.grad((per_token * torch.randn(_N, generator=g)).sum(), [logits])
         return [per_token.detach(), d_logits]
     extra = []
-    if run.case == "logprobs":
+    if run.case.startswith("logprobs"):
+        # "logprobs" states vocab_start; "logprobs:auto" lets the shard sizes place the labels
+        given = VocabParallel(parallel.group, vocab_start=start) if parallel is not None else None
         outs = linear_logprobs(
             hidden, w, labels, temperature=temps, chunk_size=7, vocab_chunk_size=5, softcap=4.0, entropy_grad=True,
-            parallel=None if parallel is None else VocabParallel(parallel.group, vocab_start=start),
+            parallel=parallel if run.case == "logprobs:auto" else given,
         )  # fmt: skip
     else:
         outs, extra = _distill_outputs(run, hidden, w, teacher_h, teacher_w, labels != IGNORE, start, stop, parallel)
@@ -614,5 +618,5 @@ def test_vocab_parallel_matches_single_process():
             _assert_close(got[:-1], want[:-1], 1e-5)
             last = want[-1][:, start:stop] if run.case.startswith("logits:") else want[-1][start:stop]
             _assert_close([got[-1]], [last], 1e-5)
-            if run.case != "logprobs":  # per-token scalars only: nothing of size C × V is communicated
+            if not run.case.startswith("logprobs"):  # per-token scalars only: nothing of size C × V is communicated
                 assert ranks[rank]["collectives"][i] == _expected_distill_collectives(run), run

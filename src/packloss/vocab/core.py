@@ -61,7 +61,9 @@ class VocabParallel:
     Args:
         group: a ``torch.distributed`` process group (e.g. ``dist.group.WORLD``).
         vocab_start: global id of this shard's first row, used only to look labels up
-            (:func:`~packloss.vocab.head.linear_logprobs`); default ``rank · V_local`` (equal shards).
+            (:func:`~packloss.vocab.head.linear_logprobs`). Default ``None``: the shards are placed in
+            rank order from their sizes, found by one SUM all-reduce of ``[world_size]`` integers per
+            call (uneven shards work; pass ``vocab_start`` to skip that collective).
     """
 
     group: object
@@ -74,9 +76,16 @@ class VocabParallel:
         if start is not None and (isinstance(start, bool) or not isinstance(start, int) or start < 0):
             raise ValueError(f"vocab_start must be a non-negative int or None, got {start!r}")
 
-    def start(self, v_local: int) -> int:
-        """Global id of this rank's first vocabulary row."""
-        return dist.get_rank(self.group) * v_local if self.vocab_start is None else self.vocab_start
+    def start(self, v_local: int, device: torch.device) -> int | Tensor:
+        """Global id of this rank's first vocabulary row: ``vocab_start``, or a 0-d int64 tensor on
+        ``device`` (the sum of the lower ranks' shard sizes, read by an all-reduce, no host sync)."""
+        if self.vocab_start is not None:
+            return self.vocab_start
+        rank = dist.get_rank(self.group)
+        sizes = torch.zeros(dist.get_world_size(self.group), dtype=torch.int64, device=device)  # [R]
+        sizes[rank] = v_local
+        dist.all_reduce(sizes, group=self.group)
+        return sizes[:rank].sum()
 
 
 def check_parallel(parallel: object) -> VocabParallel | None:

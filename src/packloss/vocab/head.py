@@ -145,7 +145,7 @@ def _merge_stats(m1: Tensor, s1: Tensor, b1: Tensor | None, m2: Tensor, s2: Tens
     return m, s, a1 * (b1 + (m1 - m) * s1) + a2 * (b2 + (m2 - m) * s2)
 
 
-def _label_index(labels_c: Tensor, v0: int, width: int) -> tuple[Tensor, Tensor]:
+def _label_index(labels_c: Tensor, v0: int | Tensor, width: int) -> tuple[Tensor, Tensor]:
     """Branch-free label lookup in the block ``[v0, v0 + width)``: ``(in_block [C], column [C, 1])``."""
     local = labels_c - v0  # [C]
     in_block = (local >= 0) & (local < width)  # [C]
@@ -166,7 +166,8 @@ def _group_stats(
     return m_g, stacked[0], (None if b is None else stacked[2]), stacked[1]
 
 
-def _check_label_range(labels: Tensor, ignore_index: int, v_local: int, start: int, group: object | None) -> None:
+def _check_label_range(
+    labels: Tensor, ignore_index: int, v_local: int, start: int | Tensor, group: object | None) -> None:
     """``ValueError`` naming ``labels`` unless every label but ``ignore_index`` is in ``[0, V)`` (with
     ``group``: owned by exactly one vocabulary shard). One host sync (and a SUM all-reduce of ``[N]``)."""
     if labels.numel() == 0:
@@ -199,7 +200,7 @@ class _Config:
     entropy_grad: bool
     ignore_index: int
     group: object | None  # vocab-parallel process group
-    vocab_start: int  # global id of weight's first row
+    vocab_start: int | Tensor  # global id of weight's first row (0-d int64 when read by an all-reduce)
 
 
 def _logprobs_forward(
@@ -343,7 +344,7 @@ def linear_logprobs(
             then NaN, but no gradient is touched. Select the entropy of valid rows with ``torch.where``,
             not by multiplying with a mask (``NaN · 0 = NaN`` in the loss itself).
         parallel: :class:`~packloss.vocab.core.VocabParallel` for a vocab-parallel ``weight`` (see
-            the module doc); its ``vocab_start`` (default ``rank · V_local``) places the labels.
+            the module doc); its ``vocab_start`` (default: from the shard sizes, uneven shards included) places the labels.
         check_labels: raise ``ValueError`` for labels outside ``[0, V)`` other than ``ignore_index``
             (with ``parallel``: not owned by exactly one shard). Off by default: the check costs one host
             sync (and an all-reduce of ``[N]``); unchecked, such a label silently gets ``−logZ``.
@@ -371,7 +372,7 @@ def linear_logprobs(
         entropy_grad=entropy_grad,
         ignore_index=ignore_index,
         group=None if parallel is None else parallel.group,
-        vocab_start=0 if parallel is None else parallel.start(v_local),
+        vocab_start=0 if parallel is None else parallel.start(v_local, hidden.device),
     )
     if check_labels:
         _check_label_range(labels, ignore_index, v_local, cfg.vocab_start, cfg.group)
