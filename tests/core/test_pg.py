@@ -59,8 +59,15 @@ def test_pg_loss_matches_scalar_formula(name, weighted):
     trn = trn.requires_grad_()
     out = run(params, trn, inf, ref, adv, mask, w)
     expected = sum(
-        token_loss(trn[i].item(), inf[i].item(), ref[i].item(), adv[i].item(), bool(mask[i]),
-                   1.0 if w is None else w[i].item(), params)
+        token_loss(
+            trn[i].item(),
+            inf[i].item(),
+            ref[i].item(),
+            adv[i].item(),
+            bool(mask[i]),
+            1.0 if w is None else w[i].item(),
+            params,
+        )
         for i in range(n)
     )
     assert out.loss.item() == pytest.approx(expected, rel=1e-5)

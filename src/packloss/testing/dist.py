@@ -43,9 +43,7 @@ def run_gloo(fn, world_size: int = 2, args: tuple = (), timeout: float = 120.0) 
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [
-        ctx.Process(target=_gloo_entry, args=(r, world_size, port, fn, args, results)) for r in range(world_size)
-    ]
+    procs = [ctx.Process(target=_gloo_entry, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
     for p in procs:
         p.start()
     out: dict[int, object] = {}

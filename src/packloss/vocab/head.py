@@ -167,7 +167,8 @@ def _group_stats(
 
 
 def _check_label_range(
-    labels: Tensor, ignore_index: int, v_local: int, start: int | Tensor, group: object | None) -> None:
+    labels: Tensor, ignore_index: int, v_local: int, start: int | Tensor, group: object | None
+) -> None:
     """``ValueError`` naming ``labels`` unless every label but ``ignore_index`` is in ``[0, V)`` (with
     ``group``: owned by exactly one vocabulary shard). One host sync (and a SUM all-reduce of ``[N]``)."""
     if labels.numel() == 0:
@@ -344,7 +345,8 @@ def linear_logprobs(
             then NaN, but no gradient is touched. Select the entropy of valid rows with ``torch.where``,
             not by multiplying with a mask (``NaN · 0 = NaN`` in the loss itself).
         parallel: :class:`~packloss.vocab.core.VocabParallel` for a vocab-parallel ``weight`` (see
-            the module doc); its ``vocab_start`` (default: from the shard sizes, uneven shards included) places the labels.
+            the module doc); its ``vocab_start`` places the labels (default: from the shard sizes,
+            uneven shards included).
         check_labels: raise ``ValueError`` for labels outside ``[0, V)`` other than ``ignore_index``
             (with ``parallel``: not owned by exactly one shard). Off by default: the check costs one host
             sync (and an all-reduce of ``[N]``); unchecked, such a label silently gets ``−logZ``.
