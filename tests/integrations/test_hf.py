@@ -106,6 +106,17 @@ def test_helper_equals_patch(model):
     torch.testing.assert_close(out.logprobs, patched.logprobs)
 
 
+def test_return_dict_false_returns_a_tuple(model):
+    input_ids, labels, temperature = _batch()
+    want = causal_lm_logprobs(model, input_ids, labels, temperature=temperature)
+    got = patch_causal_lm(model)(input_ids, labels=labels, temperature=temperature, return_dict=False)
+    assert isinstance(got, tuple) and len(got) == len(want.to_tuple())  # logprobs, entropy, cache
+    torch.testing.assert_close(got[0], want.logprobs)
+    torch.testing.assert_close(got[1], want.entropy)
+    with pytest.raises(TypeError, match="return_dict"):
+        causal_lm_logprobs(model, input_ids, labels, return_dict="no")
+
+
 def test_next_token_labels():
     ids = torch.tensor([[5, 6, 7], [1, 2, 3]])
     assert torch.equal(next_token_labels(ids), torch.tensor([[6, 7, -100], [2, 3, -100]]))

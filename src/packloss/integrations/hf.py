@@ -46,6 +46,12 @@ class FusedCausalLMOutput:
     hidden_states: tuple[torch.Tensor, ...] | None = None
     attentions: tuple[torch.Tensor, ...] | None = None
 
+    def to_tuple(self) -> tuple:
+        """The fields that are not None, in order (what ``return_dict=False`` returns)."""
+        return tuple(
+            v for v in (self.logprobs, self.entropy, self.cache, self.hidden_states, self.attentions) if v is not None
+        )
+
 
 def next_token_labels(input_ids: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """``labels[:, t] = input_ids[:, t + 1]``, and ``ignore_index`` at the last position. ``[B, S]``."""
@@ -84,11 +90,15 @@ def causal_lm_logprobs(
 
     ``model_kwargs`` (``attention_mask``, ``position_ids``, ``inputs_embeds``, …) go to ``model.model``;
     ``chunk_size`` (None: the chunk policy of :func:`~packloss.vocab.core.chunk_rows`) and
-    ``vocab_chunk_size`` to :func:`~packloss.vocab.head.linear_logprobs`.
+    ``vocab_chunk_size`` to :func:`~packloss.vocab.head.linear_logprobs`. ``return_dict=False``
+    returns :meth:`FusedCausalLMOutput.to_tuple` instead, as transformers models do.
     """
     _check_model(model)
+    return_dict = model_kwargs.pop("return_dict", None)
+    if return_dict is not None and not isinstance(return_dict, bool):
+        raise TypeError(f"return_dict must be a bool or None, got {type(return_dict).__name__}")
     out = model.model(input_ids=input_ids, **model_kwargs)
-    hidden = out.last_hidden_state  # [B, S, H]
+    hidden = out[0] if isinstance(out, tuple) else out.last_hidden_state  # [B, S, H]
     b, s, h = hidden.shape
     if labels.shape != (b, s):
         raise ValueError(f"labels must have shape [B, S] = {(b, s)}, got {tuple(labels.shape)}")
@@ -109,13 +119,14 @@ def causal_lm_logprobs(
         softcap=_softcap(model),
         ignore_index=ignore_index,
     )
-    return FusedCausalLMOutput(
+    result = FusedCausalLMOutput(
         logprobs=logprobs.reshape(b, s),
         entropy=None if entropy is None else entropy.reshape(b, s),
         cache=getattr(out, "cache", None),
         hidden_states=getattr(out, "hidden_states", None),
         attentions=getattr(out, "attentions", None),
     )
+    return result.to_tuple() if return_dict is False else result
 
 
 def patch_causal_lm(
