@@ -1,13 +1,17 @@
-"""Shared fixtures: the archetypes × prime-rl loss configs, and bins in prime-rl's flat layout."""
+"""Shared fixtures: the archetypes × prime-rl loss configs, bins in prime-rl's flat layout, and the
+per-sequence paper-reference check of the objectives."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import strategies as st
 
+from packloss import Component, Outputs, Plan, compute_loss
 from packloss.compat.prime_rl import DefaultLossConfig, IPOLossConfig
 from packloss.testing import ARCHETYPES, Streams, make_archetype, random_seq_lens
 
@@ -35,6 +39,14 @@ def bin_of(archetype: str, num_tokens: int = 257, num_seqs: int = 9, seed: int =
     return make_archetype(archetype, random_seq_lens(num_tokens, num_seqs, g), seed=seed, **kwargs)
 
 
+def with_old(streams: Streams, seed: int = 0) -> Streams:
+    """``streams`` with an old / proximal stream between the rollout's and the trainer's log-probs."""
+    g = torch.Generator().manual_seed(seed + 2000)
+    inf, trn = streams.inference_logprobs, streams.trainer_logprobs.detach()
+    mix = torch.rand(inf.shape, generator=g).to(inf.dtype)
+    return streams.replace(old_logprobs=(mix * inf + (1 - mix) * trn).to(inf.device))
+
+
 def poison_non_members(streams: Streams) -> tuple[Streams, int, int]:
     """Put trn − inf = +100 on one non-member and inf/NaN in unused streams of another token."""
     members = torch.zeros_like(streams.loss_mask)
@@ -54,8 +66,89 @@ def poison_non_members(streams: Streams) -> tuple[Streams, int, int]:
         ref = streams.ref_logprobs.clone()
         ref[b] = float("nan")
         replaced["ref_logprobs"] = ref
+    if streams.old_logprobs is not None:
+        old = streams.old_logprobs.clone()
+        old[a], old[b] = -100.0, float("nan")
+        replaced["old_logprobs"] = old
     if streams.rl_weights is not None:
         rl_w = streams.rl_weights.clone()
         rl_w[b] = float("nan")  # b is outside loss_mask, so it is not an rl member either way
         replaced["rl_weights"] = rl_w
     return streams.replace(**replaced), a, b
+
+
+# ---------------------------------------------------------------------------------------------------
+# Objectives against per-sequence references written from their papers
+# ---------------------------------------------------------------------------------------------------
+
+
+@st.composite
+def packings(draw):
+    """``(seq_lens, seed, empty, weighted)``: a packing, its data seed, sequences without members."""
+    lens = draw(st.lists(st.integers(1, 10), min_size=1, max_size=7))
+    seed = draw(st.integers(0, 2**31 - 1))
+    empty = draw(st.lists(st.booleans(), min_size=len(lens), max_size=len(lens)))
+    weighted = draw(st.booleans())
+    return lens, seed, empty, weighted
+
+
+def draw_bin(lens, seed, empty, weighted) -> SimpleNamespace:
+    """Float64 streams of a packing: ``trn`` (a leaf), ``old``, ``inf``, ``ref``, ``adv`` (one value per
+    sequence), ``mask`` and ``weights`` (or None). Float64 so both sides agree to 1e-6 without
+    float32 summation-order noise."""
+    g = torch.Generator().manual_seed(seed)
+    n = sum(lens)
+    p_inf = torch.rand(n, generator=g) * 0.9 + 0.05
+    trn = (p_inf * torch.exp((torch.rand(n, generator=g) - 0.5) * 1.2)).clamp(1e-3, 1).log()
+    ref = (torch.rand(n, generator=g) * 0.9 + 0.05).log()
+    adv = torch.repeat_interleave(torch.randn(len(lens), generator=g), torch.tensor(lens))
+    mask = torch.rand(n, generator=g) < 0.8
+    seq_ids = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
+    mask &= ~torch.tensor(empty)[seq_ids]
+    weights = (torch.rand(n, generator=g) * 2).where(torch.rand(n, generator=g) < 0.8, 0.0) if weighted else None
+    mix = torch.rand(n, generator=g)
+    old = mix * p_inf.log() + (1 - mix) * trn
+    f64 = torch.float64
+    return SimpleNamespace(
+        lens=lens,
+        trn=trn.to(f64).requires_grad_(),
+        old=old.to(f64),
+        inf=p_inf.log().to(f64),
+        ref=ref.to(f64),
+        adv=adv.to(f64),
+        mask=mask,
+        weights=None if weights is None else weights.to(f64),
+    )
+
+
+def check_against_paper(objective, paper, case, with_old: bool = False, rtol: float = 1e-6) -> None:
+    """The engine's summed loss (``normalize="constant"``, C = 1) and its gradient equal
+    ``Σ_i paper(seq_i)`` over the sequences with members, where ``seq_i`` holds that sequence's
+    members of ``trn``, ``old`` (None without ``with_old``), ``inf``, ``ref``, ``adv`` and ``w``."""
+    b = draw_bin(*case)
+    plan = Plan(
+        b.lens,
+        {"rl": Component(objective, b.mask, b.weights, "constant", 1.0)},
+        b.inf,
+        b.ref,
+        b.adv,
+        old_logprobs=b.old if with_old else None,
+    )
+    members = plan.members["rl"]
+    result = compute_loss(plan, Outputs(logprobs=b.trn))
+    (grad,) = torch.autograd.grad(result.loss, b.trn)
+    expected = b.trn.sum() * 0
+    cu = plan.layout.cu_seqlens.tolist()
+    for start, end in zip(cu[:-1], cu[1:], strict=True):
+        sel = members[start:end]
+        if not sel.any():
+            continue
+        piece = {k: getattr(b, k)[start:end][sel] for k in ("trn", "old", "inf", "ref", "adv")}
+        piece["w"] = torch.ones(int(sel.sum()), dtype=torch.float64) if b.weights is None else b.weights[start:end][sel]
+        seq = SimpleNamespace(**{**piece, "old": piece["old"] if with_old else None})
+        expected = expected + paper(seq)
+    (grad_ref,) = torch.autograd.grad(expected, b.trn, allow_unused=True)
+    grad_ref = torch.zeros_like(grad) if grad_ref is None else grad_ref
+    scale = max(1.0, expected.abs().item())
+    assert abs(result.loss.item() - expected.item()) <= rtol * scale, (result.loss.item(), expected.item())
+    assert torch.allclose(grad, grad_ref, rtol=rtol, atol=rtol), (grad - grad_ref).abs().max()

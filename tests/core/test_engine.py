@@ -16,18 +16,20 @@ from packloss import (
     ComponentOutput,
     Entropy,
     Outputs,
-    PGParams,
     Plan,
+    PolicyGradient,
     VocabDistill,
     compute_loss,
     count_denominators,
     merge_metrics,
 )
 from packloss.compat import prime_rl
+from packloss.core.trust_regions import DPPOMask
 from packloss.testing import ARCHETYPES, OpCounter, make_archetype
 from packloss.testing import reference as ref_impl
 
-RL_PARAMS = {"dppo": DPPO, "dppo_high10": PGParams(dppo_mask_high=10.0), "ipo": IPO}
+DPPO_HIGH10 = PolicyGradient(DPPOMask(0.2, 10.0), ratio="rollout", penalties=DPPO.penalties)
+RL_PARAMS = {"dppo": DPPO, "dppo_high10": DPPO_HIGH10, "ipo": IPO}
 
 
 def run_counted(plan: Plan, outputs: Outputs, **kwargs) -> OpCounter:
@@ -78,7 +80,11 @@ def test_op_counter_detects_syncs():
     assert counter.syncs["aten.index"] > 0
 
 
-@pytest.mark.parametrize("rl", [DPPO, IPO, PGParams(dppo_mask_high=10.0)], ids=["dppo", "ipo", "dppo_high10"])
+@pytest.mark.parametrize(
+    "rl",
+    [DPPO, IPO, DPPO_HIGH10],
+    ids=["dppo", "ipo", "dppo_high10"],
+)
 def test_non_member_extremes_change_nothing(archetype, rl):
     clean = bin_of(archetype)
     poisoned, a, _ = poison_non_members(clean)
@@ -216,7 +222,7 @@ def test_metrics_carry_counts_and_merge_exactly():
         loss_mask=torch.cat([a.loss_mask, b.loss_mask]),
         advantages=torch.cat([a.advantages, b.advantages]),
     )
-    gspo = PGParams(trust_region="gspo", kl_tau=0.0)
+    gspo = PolicyGradient("gspo", ratio="rollout")
     parts = [compute_loss(s.plan(gspo), s.outputs()) for s in (a, b)]
     merged, counts = merge_metrics(parts)
     whole = compute_loss(both.plan(gspo), both.outputs())
@@ -321,7 +327,7 @@ def test_all_archetypes_listed():
 def test_compute_loss_compiles_with_fullgraph():
     """torch.compile(fullgraph=True) traces the whole engine (no graph break, no sync) and agrees."""
     streams = bin_of("sdft", num_tokens=300, num_seqs=7, seed=9)
-    plan = streams.plan(PGParams(trust_region="gspo"), normalize="sequence_mean")
+    plan = streams.plan(PolicyGradient("gspo", ratio="rollout", penalties=DPPO.penalties), normalize="sequence_mean")
     den = count_denominators([plan])
     compiled = torch.compile(lambda p, o, d: compute_loss(p, o, d).loss, fullgraph=True)
     loss = compiled(plan, streams.outputs(), den)

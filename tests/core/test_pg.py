@@ -7,7 +7,20 @@ import math
 import pytest
 import torch
 
-from packloss import DPPO, IPO, REF_KL, SFT, Component, LossResult, Outputs, PGParams, Plan, compute_loss
+from packloss import (
+    DPPO,
+    IPO,
+    REF_KL,
+    SFT,
+    Component,
+    KLPenalty,
+    LossResult,
+    Outputs,
+    Plan,
+    PolicyGradient,
+    compute_loss,
+)
+from packloss.core.trust_regions import DPPOMask, OneSided
 
 
 def run(loss, trn, inf, ref, adv, mask, w=None) -> LossResult:
@@ -16,29 +29,36 @@ def run(loss, trn, inf, ref, adv, mask, w=None) -> LossResult:
     return compute_loss(plan, Outputs(logprobs=trn))
 
 
-def token_loss(trn, inf, ref, adv, member, w, p: PGParams) -> float:
-    """One token of the objective's formula in scalar Python (float64)."""
+def token_loss(trn, inf, ref, adv, member, w, p: PolicyGradient) -> float:
+    """One token of a prime-rl-shaped objective (ratio vs rollout, squared-log-ratio drift) in scalar
+    Python (float64)."""
     if not member:
         return 0.0
     log_r = trn - inf
     a = (ref - trn) if p.advantage == "ref_kl" else adv
     dp = math.exp(trn) - math.exp(inf)
-    if p.trust_region == "dppo":
-        masked = dp > p.dppo_mask_high if a > 0 else dp < -p.dppo_mask_low
-    elif p.trust_region == "ipo":
-        masked = abs(dp) > p.ipo_threshold
+    region = p.trust_region
+    if region.name == "dppo":
+        masked = dp > region.high if a > 0 else dp < -region.low
+    elif region.name == "ipo":
+        masked = abs(dp) > region.threshold
     else:
-        masked = dp < -p.one_sided_threshold
-    pg = 0.0 if masked else p.adv_tau * a * math.exp(log_r)
-    return (-pg + p.kl_tau * log_r**2) * w
+        masked = dp < -region.threshold
+    pg = 0.0 if masked else p.adv_coef * a * math.exp(log_r)
+    kl_tau = sum(k.coef for k in p.penalties)
+    return (-pg + kl_tau * log_r**2) * w
 
 
 PARAMS = {
     "dppo": DPPO,
     "ipo": IPO,
     "ref_kl": REF_KL,
-    "dppo_custom": PGParams(dppo_mask_low=0.05, dppo_mask_high=0.3, adv_tau=0.7, kl_tau=0.1),
-    "one_sided_shipped": PGParams(trust_region="one_sided", one_sided_threshold=0.1),
+    "dppo_custom": PolicyGradient(
+        DPPOMask(0.05, 0.3), ratio="rollout", adv_coef=0.7, penalties=(KLPenalty(0.1, "squared_log_ratio", "rollout"),)
+    ),
+    "one_sided_shipped": PolicyGradient(
+        OneSided(0.1), ratio="rollout", penalties=KLPenalty(1e-3, "squared_log_ratio", "rollout")
+    ),
 }
 
 
@@ -112,22 +132,36 @@ def test_sft_loss():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "build, error, match",
     [
-        (dict(advantage="gae"), "advantage must be one of"),
-        (dict(trust_region="box"), "trust_region must be one of"),
-        (dict(dppo_mask_low=-0.1), "dppo_mask_low must be >= 0"),
-        (dict(ipo_threshold=-1.0), "ipo_threshold must be >= 0"),
+        (lambda: PolicyGradient(advantage="gae"), ValueError, "advantage must be one of"),
+        (lambda: PolicyGradient(trust_region="box"), ValueError, "trust_region must be a TrustRegion or one of"),
+        (lambda: PolicyGradient(ratio="proximal"), ValueError, "ratio must be one of"),
+        (lambda: PolicyGradient(adv_coef=float("nan")), ValueError, "adv_coef must be finite"),
+        (lambda: PolicyGradient(penalties=(0.1,)), TypeError, "penalties must hold KLPenalty"),
+        (lambda: PolicyGradient(correction="tis"), TypeError, "correction must be a RolloutCorrection"),
+        (lambda: DPPOMask(low=-0.1), ValueError, "DPPOMask.low must be >= 0"),
+        (lambda: DPPOMask(high=float("nan")), ValueError, "DPPOMask.high must be finite"),
+        (lambda: OneSided(threshold="0.1"), TypeError, "OneSided.threshold must be a number"),
+        (lambda: KLPenalty(-1e-3), ValueError, "KLPenalty.coef must be >= 0"),
+        (lambda: KLPenalty(0.1, estimator="k4"), ValueError, "KLPenalty.estimator must be one of"),
+        (lambda: KLPenalty(0.1, against="teacher"), ValueError, "KLPenalty.against must be one of"),
     ],
 )
-def test_params_validation(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        PGParams(**kwargs)
+def test_params_validation(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
 
 
 def test_instances_are_the_historical_loss_types():
-    assert (DPPO.advantage, DPPO.trust_region, DPPO.dppo_mask_low, DPPO.dppo_mask_high) == ("shipped", "dppo", 0.2, 0.2)
-    assert (IPO.trust_region, IPO.ipo_threshold) == ("ipo", 0.1)
-    assert (REF_KL.advantage, REF_KL.trust_region, REF_KL.kl_tau, REF_KL.adv_tau) == ("ref_kl", "one_sided", 1e-3, 1.0)
+    drift = (KLPenalty(1e-3, "squared_log_ratio", "rollout"),)
+    assert DPPO == PolicyGradient(DPPOMask(0.2, 0.2), ratio="rollout", penalties=drift)
+    assert IPO.trust_region.name == "ipo" and IPO.trust_region.threshold == 0.1 and IPO.penalties == drift
+    assert (REF_KL.advantage, REF_KL.trust_region, REF_KL.penalties, REF_KL.adv_coef) == (
+        "ref_kl",
+        OneSided(0.2),
+        drift,
+        1.0,
+    )
     with pytest.raises(ValueError, match="needs the plan's ref_logprobs"):
         run(REF_KL, torch.zeros(2), torch.zeros(2), None, None, torch.ones(2, dtype=torch.bool))

@@ -34,8 +34,9 @@ from torch import Tensor
 
 from packloss.core.components import ComponentInputs, ComponentOutput, masked_mean, upcast
 from packloss.core.engine import compute_loss as _engine_compute_loss
-from packloss.core.pg import REF_KL, PGParams, pg_loss
+from packloss.core.pg import REF_KL, KLPenalty, PolicyGradient, pg_loss
 from packloss.core.plan import Component, Outputs, Plan
+from packloss.core.trust_regions import DPPOMask, IPOMask
 
 __all__ = [
     "LossInputs",
@@ -135,40 +136,34 @@ class CustomLossConfig:
 LossConfig = DefaultLossConfig | IPOLossConfig | CustomLossConfig
 
 
-def _pg_params(loss_config: Any) -> PGParams:
+def _pg_params(loss_config: Any) -> PolicyGradient:
     """The objective of a DPPO- or IPO-shaped config (matched by its fields)."""
     if hasattr(loss_config, "ipo_threshold"):
-        return PGParams(
-            trust_region="ipo",
-            ipo_threshold=loss_config.ipo_threshold,
-            adv_tau=loss_config.adv_tau,
-            kl_tau=loss_config.kl_tau,
-        )
-    return PGParams(
-        trust_region="dppo",
-        dppo_mask_low=loss_config.dppo_mask_low,
-        dppo_mask_high=loss_config.dppo_mask_high,
-        adv_tau=loss_config.adv_tau,
-        kl_tau=loss_config.kl_tau,
-    )
+        region = IPOMask(loss_config.ipo_threshold)
+    else:
+        region = DPPOMask(loss_config.dppo_mask_low, loss_config.dppo_mask_high)
+    drift = KLPenalty(loss_config.kl_tau, "squared_log_ratio", "rollout")
+    return PolicyGradient(region, ratio="rollout", adv_coef=loss_config.adv_tau, penalties=(drift,))
 
 
-def _summed(inputs: LossInputs, params: PGParams) -> LossOutputs:
-    """``Σ_t ℓ_t · w_t`` of the objective, in the per-token order of the per-sequence original."""
+def _summed(inputs: LossInputs, params: PolicyGradient) -> LossOutputs:
+    """``Σ_t ℓ_t · w_t`` of the objective, in the per-token order of the per-sequence original, and
+    prime-rl's metrics (its drift term reports none)."""
     out = pg_loss(inputs, params)
     per_token = out.per_token
     if inputs.loss_weights is not None:
         per_token = per_token * torch.where(inputs.loss_mask, upcast(inputs.loss_weights), 0.0)
-    return LossOutputs(loss=per_token.sum(), metrics=out.metrics, counts=out.counts)
+    keep = lambda d: {k: v for k, v in d.items() if k != "rollout_kl_penalty"}  # noqa: E731
+    return LossOutputs(loss=per_token.sum(), metrics=keep(out.metrics), counts=keep(out.counts))
 
 
 def default_loss_fn(inputs: LossInputs, loss_config: DefaultLossConfig) -> LossOutputs:
-    """DPPO trust region + squared-log-ratio KL (``PGParams(trust_region="dppo")``)."""
+    """DPPO trust region + squared-log-ratio drift KL (:data:`packloss.DPPO`)."""
     return _summed(inputs, _pg_params(loss_config))
 
 
 def ipo_loss_fn(inputs: LossInputs, loss_config: IPOLossConfig) -> LossOutputs:
-    """IPO: symmetric trust region ``|dp| > ipo_threshold`` (``PGParams(trust_region="ipo")``)."""
+    """IPO: symmetric trust region ``|dp| > ipo_threshold`` (:data:`packloss.IPO`)."""
     return _summed(inputs, _pg_params(loss_config))
 
 

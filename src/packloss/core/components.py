@@ -129,6 +129,10 @@ class ComponentInputs:
         return self.plan.ref_logprobs
 
     @property
+    def old_logprobs(self) -> Tensor | None:
+        return self.plan.old_logprobs
+
+    @property
     def advantages(self) -> Tensor | None:
         return self.plan.advantages
 

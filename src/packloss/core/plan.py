@@ -29,8 +29,8 @@ from packloss.core.normalize import Normalize, as_normalize
 
 __all__ = ["Component", "Plan", "Outputs"]
 
-_LOGPROB_STREAMS = ("inference_logprobs", "ref_logprobs")
-_TOKEN_STREAMS = ("inference_logprobs", "ref_logprobs", "advantages")
+_LOGPROB_STREAMS = ("inference_logprobs", "old_logprobs", "ref_logprobs")
+_TOKEN_STREAMS = ("inference_logprobs", "old_logprobs", "ref_logprobs", "advantages")
 
 
 def _check_number(name: str, value: object) -> float:
@@ -48,8 +48,8 @@ class Component:
 
     Args:
         loss: the component's loss, ``loss(ComponentInputs) -> ComponentOutput`` (see
-            :mod:`packloss.core.components`): a ``PGParams`` objective, ``SFT()``, ``Entropy(...)``,
-            ``VocabDistill(...)`` or a function of your own.
+            :mod:`packloss.core.components`): a :class:`~packloss.PolicyGradient` objective, ``SFT()``,
+            ``Entropy(...)``, ``VocabDistill(...)`` or a function of your own.
         mask: ``[N]`` bool, the tokens the component trains on (None: every token with a non-zero
             weight).
         weights: ``[N]`` float per-token weights or None (1). Members are ``mask & (weights != 0)``.
@@ -116,8 +116,10 @@ class Plan:
         seq_lens: host ints, the lengths of the ``S`` packed sequences (each > 0, sum ``N``).
         components: ``{name: Component}``, at least one; names are free (``"rl"``, ``"sft"``, ...)
             and prefix the metrics (``"rl/is_masked"``).
-        inference_logprobs: ``[N]``, log-probs under the policy that sampled (policy-gradient,
-            sampled distillation).
+        inference_logprobs: ``[N]``, log-probs under the rollout / behaviour policy that sampled
+            (policy-gradient, sampled distillation).
+        old_logprobs: ``[N]``, log-probs under the old / proximal policy the trust region is measured
+            against (:class:`~packloss.PolicyGradient` with ``ratio="old"``); absent: on-policy.
         ref_logprobs: ``[N]``, reference / teacher log-probs of the sampled tokens.
         advantages: ``[N]`` float.
         teacher_logits: ``[N, V]`` teacher logits for full-vocabulary distillation, or
@@ -139,6 +141,7 @@ class Plan:
     teacher_hidden: Tensor | None = None
     teacher_weight: Tensor | None = None
     group_ids: Sequence[int] | None = None
+    old_logprobs: Tensor | None = None
     layout: Layout = field(init=False, repr=False)
     members: dict[str, Tensor] = field(init=False, repr=False)
     weights: dict[str, Tensor | None] = field(init=False, repr=False)

@@ -117,6 +117,7 @@ class Streams:
     rl_weights: Tensor | None = None
     ce_weights: Tensor | None = None
     ref_kl_weights: Tensor | None = None
+    old_logprobs: Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -163,6 +164,7 @@ class Streams:
             ref_logprobs=self.ref_logprobs,
             advantages=self.advantages,
             group_ids=group_ids,
+            old_logprobs=self.old_logprobs,
         )
 
     def outputs(self) -> Outputs:
