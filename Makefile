@@ -14,6 +14,7 @@ setup: $(PY)
 	$(PY) -m pip install -q -e ".[dev,bench,hf]"
 
 test: setup
+	$(PY) -m pip install -q -e ".[peers]"
 	$(PY) -m ruff check src tests
 	$(PY) -m pytest -q
 

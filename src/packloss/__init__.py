@@ -9,6 +9,7 @@ from packloss.core.metrics import all_reduce_metrics, merge_metrics
 from packloss.core.normalize import Normalize, StepDenominators, count_denominators
 from packloss.core.pg import DPPO, IPO, REF_KL, KLPenalty, PolicyGradient
 from packloss.core.plan import Component, Outputs, Plan
+from packloss.core.recipe import PRESETS, Part, Recipe, preset
 from packloss.core.sft import SFT, Entropy
 from packloss.core.trust_regions import TRUST_REGIONS, PolicyTerms, Surrogate, TrustRegion, register_trust_region
 from packloss.vocab import VocabDistill, VocabParallel
@@ -30,6 +31,10 @@ __all__ = [
     "Surrogate",
     "TRUST_REGIONS",
     "register_trust_region",
+    "Recipe",
+    "Part",
+    "PRESETS",
+    "preset",
     "DPPO",
     "IPO",
     "REF_KL",
