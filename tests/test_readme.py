@@ -18,3 +18,4 @@ def test_readme_snippets_run():
     assert set(namespace["metrics"]) >= {"is_masked", "masked_mismatch_kl"}  # the prime-rl snippet's names
     assert set(namespace["result"].metrics) >= {"rl/is_masked", "rl/loss"}
     assert namespace["sft"].loss.requires_grad and namespace["kd"].loss.requires_grad
+    assert "rl/rollout_is_masked" in namespace["grpo_result"].metrics
