@@ -103,13 +103,17 @@ class Aggregation:
 @dataclass(frozen=True, eq=False)
 class ComponentInputs:
     """What a component loss sees: the plan (pre-forward streams, layout), the forward's outputs,
-    its member mask and its aggregation. The properties use prime-rl's field names."""
+    its member mask and its aggregation. The properties use prime-rl's field names. ``selection`` is
+    the step-wide token selection of a component whose trust region selects over the step
+    (:class:`~packloss.core.selection.StepSelection`, from the step denominators), or None: such a
+    region then selects over this bin alone."""
 
     plan: Plan
     outputs: Outputs
     name: str
     aggregation: Aggregation
     per_sequence_metrics: bool = False
+    selection: object | None = None
 
     @property
     def loss_mask(self) -> Tensor:

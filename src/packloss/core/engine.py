@@ -84,7 +84,8 @@ def compute_loss(
     terms: dict[str, Tensor] = {}
     for name, comp in plan.components.items():
         agg = aggregation(plan, name, denominators, dtype)
-        inputs = ComponentInputs(plan, outputs, name, agg, per_sequence_metrics)
+        selection = None if denominators is None else denominators.selections.get(name)
+        inputs = ComponentInputs(plan, outputs, name, agg, per_sequence_metrics, selection)
         out = comp.loss(inputs)
         if not isinstance(out, ComponentOutput):
             raise TypeError(f"component {name!r} must return a ComponentOutput, got {type(out).__name__}")

@@ -41,6 +41,15 @@ from torch import Tensor
 from packloss.core.agreement import check_agreement
 from packloss.core.components import Aggregation
 from packloss.core.segments import broadcast, segment_count
+from packloss.core.selection import (
+    StepSelection,
+    check_max_rank_tokens,
+    select_over_step,
+    selection_spec,
+    selection_sums,
+    selector_of,
+    step_selectors,
+)
 
 if TYPE_CHECKING:
     from packloss.core.plan import Plan
@@ -114,11 +123,14 @@ class StepDenominators:
 
     ``modes[name]`` is ``(Normalize, constant)`` as counted; ``counts[name]`` the summed counts
     (``[1]``, ``[0]`` for ``constant``, ``[G]`` per-group member counts for ``group_mean``).
+    ``selections[name]`` is the step-wide token selection of a component whose trust region selects
+    tokens over the step (:mod:`packloss.core.selection`; Clip-Cov, KL-Cov, M2PO).
     """
 
     modes: dict[str, Mode]
     counts: dict[str, Tensor]
     num_groups: int
+    selections: dict[str, StepSelection] = field(default_factory=dict)
     denominators: dict[str, Tensor | float] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +155,14 @@ class StepDenominators:
                 raise ValueError(
                     f"component {name!r} normalises with {_describe(comp.mode)} but the step denominators "
                     f"were counted for {counted}"
+                )
+        for name in step_selectors([plan]):
+            got, want = self.selections.get(name), selection_spec(plan.components[name].loss)
+            if got is None or got.spec != want:
+                counted = "no selection" if got is None else got.spec
+                raise ValueError(
+                    f"component {name!r} selects tokens over the step with {want} but the step denominators "
+                    f"hold {counted}; count them from the same plans"
                 )
         if plan.group_ids is not None and plan.num_groups > self.num_groups and self.num_groups:
             raise ValueError(
@@ -195,6 +215,8 @@ def count_denominators(
     num_groups: int | None = None,
     device: torch.device | str | None = None,
     check: bool = True,
+    objectives: Mapping[str, object] | None = None,
+    max_rank_tokens: int | None = None,
 ) -> StepDenominators:
     """Count the denominators of a step over ``plans`` (this rank's micro-batches) and, with
     ``all_reduce=True``, over the ranks of ``group`` with ONE ``all_reduce`` of one flat tensor.
@@ -210,6 +232,13 @@ def count_denominators(
     modes, constants or ``num_groups`` differ raise the same ``ValueError`` instead of hanging,
     aborting or mixing counts; it reads those two numbers on the host. Without ``all_reduce`` nothing
     is read on the host.
+
+    Components whose trust region selects tokens over the step (Clip-Cov, KL-Cov, M2PO; see
+    :mod:`packloss.core.selection`) add their additive statistics to the same flat tensor, so they
+    travel in the same ``all_reduce``; their threshold then takes **one** more collective, an
+    ``all_gather`` of each rank's ``K`` largest scores (``K`` a host int, the same on every rank,
+    which needs ``max_rank_tokens=``: at least the tokens any rank's plans hold, the same on every
+    rank). A rank without plans passes ``objectives={name: loss}`` for those components.
     """
     if isinstance(plans, Mapping) or not isinstance(plans, Sequence):
         raise TypeError(f"plans must be a list of Plan, got {type(plans).__name__}")
@@ -237,7 +266,12 @@ def count_denominators(
         device = plans[0].device if plans else torch.device("cpu")
     names = sorted(step_modes)
     sizes = [_count_size(step_modes[k][0], groups) for k in names]
-    flat = torch.zeros(sum(sizes), dtype=torch.float64, device=device)
+    selectors = step_selectors(plans, objectives)  # {name: loss} of the step-wide selections
+    for k in selectors:
+        if k not in step_modes:
+            raise ValueError(f"objectives[{k!r}] is not a component of the step (components: {names})")
+    sums_sizes = [selector_of(loss).num_sums for loss in selectors.values()]
+    flat = torch.zeros(sum(sizes) + sum(sums_sizes), dtype=torch.float64, device=device)
     for plan in plans:
         parts = []
         for k in names:
@@ -246,14 +280,24 @@ def count_denominators(
                 parts.append(_local_counts(plan, k, mode, groups, torch.float64))
             else:
                 parts.append(torch.zeros(_count_size(mode, groups), dtype=torch.float64, device=device))
+        parts += [selection_sums(plan, k, loss, device) for k, loss in selectors.items()]
         flat = flat + torch.cat(parts)
     if all_reduce:
+        if selectors:  # before any collective: a rank that raises later would leave the others waiting
+            check_max_rank_tokens(plans, max_rank_tokens)
         if check:
             description = ";".join(f"{k}={step_modes[k][0].value}/{step_modes[k][1]}" for k in names)
+            description += "".join(f";{k}:{selection_spec(loss)}" for k, loss in selectors.items())
+            description += f";max_rank_tokens={max_rank_tokens}" if selectors else ""
             check_agreement(f"components {description}; num_groups={groups}", "step components or modes", device, group)
         dist.all_reduce(flat, group=group)
-    counts = dict(zip(names, torch.split(flat, sizes), strict=True))
-    return StepDenominators(modes=step_modes, counts=counts, num_groups=groups)
+    pieces = torch.split(flat, sizes + sums_sizes)
+    counts = dict(zip(names, pieces[: len(names)], strict=True))
+    sums = dict(zip(selectors, pieces[len(names) :], strict=True))
+    selections = select_over_step(
+        plans, selectors, sums, gather=all_reduce, group=group, max_rank_tokens=max_rank_tokens, device=device
+    )
+    return StepDenominators(modes=step_modes, counts=counts, num_groups=groups, selections=selections)
 
 
 def aggregation(plan: Plan, name: str, denominators: StepDenominators | None, dtype: torch.dtype) -> Aggregation:
