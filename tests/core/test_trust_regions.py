@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from conftest import bin_of, check_against_paper, packings, poison_non_members, with_old
-from packloss import Component, KLPenalty, Outputs, Plan, PolicyGradient, compute_loss
+from packloss import REF_KL, Component, KLPenalty, Outputs, Plan, PolicyGradient, compute_loss
 from packloss.core.trust_regions import (
     CISPO,
     DPPOKL,
@@ -25,6 +25,7 @@ from packloss.core.trust_regions import (
     DPPOMask,
     IcePop,
     IPOMask,
+    OneSided,
     PolicyTerms,
     PPOClip,
     Surrogate,
@@ -54,6 +55,8 @@ OBJECTIVES = {
     "grpo_ref_kl": (PolicyGradient(PPOClip(), ratio="rollout", penalties=(KLPenalty(0.04),)), "inf"),
     "ref_kl_k2": (PolicyGradient("none", ratio="rollout", penalties=(KLPenalty(0.1, "k2"), *drift(1e-3))), "inf"),
     "opd_cispo": (PolicyGradient(CISPO(), ratio="rollout", advantage="ref_kl", penalties=drift(1e-3)), "inf"),
+    "ref_kl": (REF_KL, "inf"),
+    "one_sided_old": (PolicyGradient(OneSided(0.1)), "old"),
     # three streams: the trust region against π_old, on-policy without the stream
     "ppo_old": (PolicyGradient(PPOClip(0.2, 0.28), penalties=(KLPenalty(0.04),)), "old"),
     "ppo_on_policy": (PolicyGradient(PPOClip(0.2, 0.28)), "sg"),
@@ -164,6 +167,8 @@ def paper_sequence_loss(seq, p: PolicyGradient, base: str) -> torch.Tensor:
         objective = torch.min(s_token * a, s_token.clamp(1 - tr.clip_low, 1 + tr.clip_high) * a)
     elif tr.name == "ipo":
         objective = ((trn.exp() - denominator.exp()).abs() <= tr.threshold) * ratio * a
+    elif tr.name == "one_sided":  # prime-rl's ref_kl region: drop tokens whose probability fell by > threshold
+        objective = ((trn.exp() - denominator.exp()) >= -tr.threshold) * ratio * a
     else:  # dppo
         dp = trn.exp() - denominator.exp()
         masked = torch.where(a / p.adv_coef > 0, dp > tr.high, dp < -tr.low)
