@@ -29,6 +29,7 @@ from packloss.core.segments import segment_mean
 
 if TYPE_CHECKING:
     from packloss.core.plan import Outputs, Plan
+    from packloss.core.selection import StepSelection
 
 __all__ = ["Aggregation", "ComponentInputs", "ComponentOutput", "ComponentLoss", "upcast", "masked_mean"]
 
@@ -113,7 +114,7 @@ class ComponentInputs:
     name: str
     aggregation: Aggregation
     per_sequence_metrics: bool = False
-    selection: object | None = None
+    selection: StepSelection | None = None
 
     @property
     def loss_mask(self) -> Tensor:
