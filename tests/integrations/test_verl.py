@@ -138,17 +138,26 @@ def make_batch(seed: int, rows: int = 8, width: int = 12, empty: tuple[int, ...]
     valid = torch.arange(width) < resp[:, None]
     mask = valid & (rand(rows, width) > 0.15)
     mask[:, 0] = True  # every row with members has its first token
+    mask[0, 1:7] = True
     for r in empty:
         mask[r] = False
     logp = -(rand(rows, width) * 3 + 0.05)
-    delta = 0.3 * randn(rows, width)
+    delta = 0.3 * randn(rows, width)  # ≈ log r = log π_θ − log π_old
     big = rand(rows, width) < 0.05
     delta = torch.where(big, torch.sign(randn(rows, width)) * (1 + rand(rows, width)), delta)
-    old = -(logp - delta).abs() - 1e-3
-    rollout = -(old + 0.15 * randn(rows, width)).abs() - 1e-3
-    ref = (logp + 3 * rand(rows, width) - 1.5).clamp(max=-1e-3)
     adv = randn(rows, 1) + 0.3 * randn(rows, width)
     adv = torch.where(rand(rows, width) < 0.05, 0.0, adv)
+    # row 0 always holds: A < 0 with r > 3 (dual clip), A > 0 with r > 1.28, A < 0 with r < 0.8, A = 0,
+    delta[0, 1:5] = torch.tensor([1.5, 0.5, -0.5, 0.3], dtype=F64)
+    adv[0, 1:5] = torch.tensor([-1.0, 1.0, -1.0, 0.0], dtype=F64)
+    logp[0, 1:5] = torch.tensor([-2.0, -1.0, -0.1, -0.5], dtype=F64)
+    old = -(logp - delta).abs() - 1e-3
+    # and p_old = 0.5 → p = 0.8 (A > 0) / 0.2 (A < 0): binary KL 0.223, between clip_ratio_low and _high
+    logp[0, 5:7] = torch.tensor([0.8, 0.2], dtype=F64).log()
+    old[0, 5:7] = math.log(0.5)
+    adv[0, 5:7] = torch.tensor([1.0, -1.0], dtype=F64)
+    rollout = -(old + 0.15 * randn(rows, width)).abs() - 1e-3
+    ref = (logp + 3 * rand(rows, width) - 1.5).clamp(max=-1e-3)
     entropy = rand(rows, width) * 3
     return Batch(prompt.tolist(), resp.tolist(), mask, old, rollout, ref, adv, logp[valid], entropy[valid])
 
@@ -438,6 +447,65 @@ def test_step_over_micro_batches_matches_verl(mode, agg, ranks):
         kw = dict(dp_size=ranks, num_tokens=int(b.mask.sum()), global_batch_size=12, old=old)
         whole = verl_micro(cfg, b, list(range(12)), lp, ent, **kw) / ranks
         assert_close(whole.detach(), verl_step(cfg, b, split, lp, ent, old=old).detach(), "one call vs the step")
+
+
+def first_epoch(b: Batch, seed: int) -> Batch:
+    """``old = log π_θ`` up to a 1e-6 jitter (the first PPO epoch; the jitter gives ``|log r|`` a gradient
+    while leaving every covariance ranking as it is)."""
+    g = torch.Generator().manual_seed(seed)
+    padded = b.old.clone()
+    padded[b.valid] = b.logp
+    b.old = padded + 1e-6 * torch.randn(padded.shape, generator=g, dtype=F64)
+    return b
+
+
+COV = {
+    "clip_cov": dict(clip_cov_ratio=0.5, clip_cov_lb=0.3, clip_cov_ub=2.0),
+    "kl_cov": dict(kl_cov_ratio=0.1, ppo_kl_coef=0.7),
+}
+
+
+def _cov_config(mode: str, agg: str, rows: int) -> ActorConfig:
+    cfg = actor_config(mode, agg, kl="k2", rows=rows)
+    return dataclasses.replace(cfg, policy_loss=dataclasses.replace(cfg.policy_loss, **COV[mode]))
+
+
+@pytest.mark.parametrize("agg", LOSS_AGG_MODES)
+@pytest.mark.parametrize("mode", ["clip_cov", "kl_cov"])
+def test_covariance_modes_match_verl_on_one_micro_batch_first_epoch(mode, agg):
+    """Clip-Cov / KL-Cov where verl's choice is packloss's: one micro-batch (its covariance is the
+    step's), the first epoch (the live log π is the old one) and, for clip_cov, ``k`` at least the
+    band (verl's random draw takes every band token)."""
+    if mode not in TRUST_REGIONS:
+        with pytest.raises(NotImplementedError, match=f"no '{mode}' trust region"):
+            from_verl(_cov_config(mode, agg, 8), response_length=12)
+        pytest.skip(f"packloss has no {mode!r} trust region in this checkout")
+    cfg = _cov_config(mode, agg, 8)
+    b = first_epoch(make_batch(40 + LOSS_AGG_MODES.index(agg)), 1)
+    v, _ = compare(cfg, from_verl(cfg, response_length=12), b, [[list(range(8))]], mode=mode)
+    # the selection bites: verl without it (an empty band / a zero coefficient) is another loss
+    off = {"clip_cov": dict(clip_cov_lb=100.0, clip_cov_ub=101.0), "kl_cov": dict(ppo_kl_coef=0.0)}[mode]
+    plain = dataclasses.replace(cfg, policy_loss=dataclasses.replace(cfg.policy_loss, **off))
+    lp, ent = leaves(b)
+    g = torch.autograd.grad(verl_step(cfg, b, [[list(range(8))]], lp, ent), lp)[0]
+    g_plain = torch.autograd.grad(verl_step(plain, b, [[list(range(8))]], lp, ent), lp)[0]
+    assert (g - g_plain).abs().max() > 1e-3 * g.abs().max()
+
+
+def test_covariance_selection_over_micro_batches_differs():
+    """verl's KL-Cov picks its top-k per micro-batch (its means, its k); packloss over the step."""
+    if "kl_cov" not in TRUST_REGIONS:
+        pytest.skip("packloss has no 'kl_cov' trust region in this checkout")
+    cfg = _cov_config("kl_cov", "token-mean", 12)
+    b = first_epoch(make_batch(45, rows=12, empty=(2, 7)), 2)
+    recipe = from_verl(cfg)
+    lp, ent = leaves(b)
+    whole, split = [[list(range(12))]], [[list(range(6)), list(range(6, 12))]]
+    per_micro = torch.autograd.grad(verl_step(cfg, b, split, lp, ent), lp)[0]
+    one_call = torch.autograd.grad(verl_step(cfg, b, whole, lp, ent), lp)[0]
+    ours_split = torch.autograd.grad(packloss_step(recipe, b, split, lp, ent), lp)[0]
+    assert_close(ours_split, one_call, "packloss's split step = verl's whole-batch selection")
+    assert (per_micro - one_call).abs().max() > 1e-3 * one_call.abs().max()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -819,8 +887,6 @@ def test_the_recipe_parts():
         (lambda: from_verl(actor_config("vanilla", kl="abs")), NotImplementedError, "kl_loss_type='abs'"),
         (lambda: from_verl(actor_config("vanilla", kl="k3+")), NotImplementedError, "kl_loss_type='k3\\+'"),
         (lambda: from_verl(actor_config("vanilla", kl="full")), NotImplementedError, "kl_loss_type='full'"),
-        (lambda: from_verl({"policy_loss": {"loss_mode": "clip_cov"}}), NotImplementedError, "loss_mode='clip_cov'"),
-        (lambda: from_verl({"policy_loss": {"loss_mode": "kl_cov"}}), NotImplementedError, "loss_mode='kl_cov'"),
         (lambda: from_verl({"policy_loss": {"loss_mode": "nope"}}), NotImplementedError, "loss_mode='nope'"),
         (lambda: from_verl({"loss_agg_mode": "token-max"}), NotImplementedError, "loss_agg_mode='token-max'"),
         (lambda: from_verl({"policy_loss": {"loss_mode": "dro"}}), ValueError, "dro_beta"),
