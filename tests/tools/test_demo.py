@@ -22,11 +22,14 @@ from packloss.core.packing import block_causal_mask  # noqa: E402
 from packloss.testing import run_gloo  # noqa: E402
 from packloss.tools import demo  # noqa: E402
 
-# Held-out reward gain of the student (after RL minus before distillation) in `demo --quick`, seeds
-# 0-4, 2 CPU cores (docs/demo.md): 0.295, 0.266, 0.271, 0.292, 0.222 (mean 0.269, std 0.029); the
-# untrained student's reward over the seeds is 0.056-0.073. MARGIN is 5 std below the mean gain and
-# 7x the range of the untrained reward.
-MARGIN = 0.12
+# `demo --quick` (full-vocabulary distillation), seeds 0-4, 2 CPU cores (docs/demo.md): the student's
+# held-out reward gain through distillation 0.454, 0.360, 0.357, 0.349, 0.427 (mean 0.389, std 0.048)
+# and through both phases 0.441, 0.408, 0.444, 0.432, 0.387 (mean 0.422, std 0.024); the KL to the
+# teacher falls 1.9-2.6x. The untrained student's reward is 0.056-0.073. The margins sit 4 std below
+# the means (and well above the untrained reward's range): a run whose distillation stops working fails.
+DISTILL_MARGIN = 0.2
+MARGIN = 0.3
+KL_FALL = 1.5
 
 
 def _rollouts() -> list[demo.Rollout]:
@@ -95,9 +98,11 @@ def quick_emulated(tmp_path_factory) -> tuple[dict, dict]:
 def test_quick_run_learns(quick):
     summary, _ = quick
     evals = summary["evals"]
+    assert summary["distill"] == "full"  # the default
     assert evals["teacher_sft"]["reward"] > evals["teacher_init"]["reward"] + MARGIN
+    assert evals["student_distill"]["reward"] - evals["student_init"]["reward"] >= DISTILL_MARGIN
     assert evals["student_rl"]["reward"] - evals["student_init"]["reward"] >= MARGIN
-    assert evals["student_distill"]["kl"] < evals["student_init"]["kl"]
+    assert evals["student_distill"]["kl"] * KL_FALL < evals["student_init"]["kl"]
 
 
 def _one_step_of_each_phase(rank: int, world: int, emulate_ranks: int = 1) -> dict[str, tuple[dict, list[int]]]:
