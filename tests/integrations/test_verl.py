@@ -949,6 +949,8 @@ def test_the_recipe_parts():
         (lambda: from_verl({"policy_loss": {"loss_mode": "bypass_mode"}}), ValueError, "rollout_correction"),
         (lambda: from_verl({"entropy_coeff": float("nan")}), ValueError, "entropy_coeff must be finite"),
         (lambda: from_verl({"clip_ratio_c": 1.0}), ValueError, "dual_clip_c must be > 1"),
+        (lambda: from_verl(None), TypeError, "actor_config must be"),
+        (lambda: from_verl({"kl_loss_coef": "0.1", "use_kl_loss": True}), TypeError, "kl_loss_coef must be a number"),
     ],
 )
 def test_unmappable_settings_raise_naming_the_option(build, error, match):

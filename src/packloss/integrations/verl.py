@@ -486,6 +486,9 @@ def _bypass(actor: Any, rc: Any, agg: str) -> tuple[_Objective, RolloutCorrectio
     if loss_type == "ppo_clip":
         low, high = _clip_range(actor)
         region = PPOClip(low, high, dual_clip_c=_number(_get(actor, "clip_ratio_c", 3.0), "clip_ratio_c"))
+        notes.append(
+            "verl's vanilla loss clamps log r to [−20, 20] (for A > 0 and log r < −20: r = e^−20, no gradient)"
+        )
         if _get(rc, "rollout_is", None, "rollout_correction") is not None:
             notes.append("bypass ppo_clip: verl computes rollout_is weights for its metrics only")
         return _Objective(region, ratio="rollout"), rejection, tuple(notes)
@@ -545,8 +548,6 @@ def from_verl(
     Loss modes (``r = π_θ / π_old``; verl's ``old_log_prob`` is the plan's ``old_logprobs``)::
 
         vanilla   PPOClip(clip_ratio_low, clip_ratio_high, dual_clip_c=clip_ratio_c)   (always dual-clipped)
-        clip_cov  "clip_cov"(clip_cov_ratio, clip_cov_lb, clip_cov_ub, clip_ratio_low, clip_ratio_high)
-        kl_cov    "kl_cov"(kl_cov_ratio, ppo_kl_coef)        (both select over the step: see the notes)
         gspo      GSPO(clip_ratio_low, clip_ratio_high)
         cispo     CISPO(clip_ratio_low, clip_ratio_high)
         gpg       "gpg"                      −A · log π
@@ -554,6 +555,8 @@ def from_verl(
         geo_mean  "geo_mean"(clip_ratio_low, clip_ratio_high), sequence_mean
         dppo_tv   "dppo_tv"(low, high, ratio_cap=clip_ratio_c),  dppo_kl likewise
         dro       "gpg" + KLPenalty(dro_beta, "k2", against="old")
+        clip_cov  "clip_cov"(clip_cov_ratio, clip_cov_lb, clip_cov_ub, clip_ratio_low, clip_ratio_high)
+        kl_cov    "kl_cov"(kl_cov_ratio, ppo_kl_coef)        (both select over the step: see the module doc)
         bypass    ratio="rollout": PPOClip as vanilla (loss_type="ppo_clip") or "gpg" (loss_type="reinforce")
                   with the IS weights or the rejection band as the RolloutCorrection
 
@@ -571,6 +574,8 @@ def from_verl(
         NotImplementedError: naming the option that packloss cannot express (module doc).
         ValueError: a setting verl would reject, or a missing ``G`` / ``T``.
     """
+    if actor_config is None or isinstance(actor_config, str | bytes | int | float):
+        raise TypeError(f"actor_config must be verl's ActorConfig, a DictConfig or a dict, got {actor_config!r}")
     policy_loss = _get(actor_config, "policy_loss", {})
     mode = _get(policy_loss, "loss_mode", "vanilla", "actor_config.policy_loss")
     agg = _get(actor_config, "loss_agg_mode", "token-mean")
