@@ -1,4 +1,5 @@
-"""Data-parallel: DDP over two gloo processes, one rank fed an empty bin, equals one process."""
+"""Data-parallel: DDP and FSDP2 over two gloo processes (an empty bin on a rank, micro-batches,
+global denominators) equal one process."""
 
 from __future__ import annotations
 
@@ -6,7 +7,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from packloss import DPPO, Component, Outputs, Plan, all_reduce_metrics, compute_loss, count_denominators
+from packloss import (
+    DPPO,
+    Component,
+    KLPenalty,
+    Outputs,
+    Plan,
+    PolicyGradient,
+    RolloutCorrection,
+    all_reduce_metrics,
+    compute_loss,
+    count_denominators,
+)
 from packloss.testing import Streams, make_archetype, run_gloo
 
 H, V = 8, 16
@@ -59,3 +71,71 @@ def test_ddp_with_an_empty_rank_matches_single_process():
     for key, value in results[0].metrics.items():
         assert torch.allclose(ranks[1]["metrics"][key], value, atol=1e-6), key
         assert ranks[1]["counts"][key] == results[0].counts[key]
+
+
+# ---------------------------------------------------------------------------------------------------
+# FSDP2 (fully_shard): parameters sharded over two ranks, two micro-batches each, global denominators
+# ---------------------------------------------------------------------------------------------------
+
+
+def fsdp_model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(H, 12), nn.Tanh(), nn.Linear(12, V, bias=False))
+
+
+def fsdp_bins() -> list[Streams]:
+    """Four bins (two per rank): three archetypes with members, one all-masked."""
+    specs = [("hot", [5, 1, 9, 4]), ("weighted_grpo", [6, 6, 2]), ("dummy", [3, 7]), ("hot", [8, 2, 2])]
+    return [make_archetype(name, lens, seed=20 + i) for i, (name, lens) in enumerate(specs)]
+
+
+def fsdp_plan(model: nn.Module, streams: Streams, seed: int) -> tuple[Plan, Outputs]:
+    """A GRPO-shaped plan (PPO clip vs π_old, k3 KL to the reference, a masked sequence-level rollout
+    correction, sequence-mean normalisation) and the model's log-probs."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(streams.num_tokens, H, generator=g)
+    labels = torch.randint(0, V, (streams.num_tokens,), generator=g)
+    trn = torch.log_softmax(model(x), -1).gather(1, labels[:, None]).squeeze(1)
+    noise = lambda: 0.2 * torch.randn(streams.num_tokens, generator=g)  # noqa: E731
+    objective = PolicyGradient(
+        "ppo_clip", penalties=(KLPenalty(0.05),), correction=RolloutCorrection("sequence", "mask", low=0.2, high=5.0)
+    )
+    plan = Plan(
+        streams.seq_lens,
+        {"rl": Component(objective, mask=streams.loss_mask, weights=streams.rl_weights, normalize="sequence_mean")},
+        inference_logprobs=trn.detach() + noise(),
+        ref_logprobs=trn.detach() + noise(),
+        advantages=streams.advantages,
+        old_logprobs=trn.detach() + 0.5 * noise(),
+    )
+    return plan, Outputs(logprobs=trn)
+
+
+def fsdp_worker(rank: int, world_size: int):
+    from torch.distributed.fsdp import fully_shard
+
+    model = fsdp_model()
+    for layer in (model[0], model[2]):
+        fully_shard(layer)
+    fully_shard(model)
+    bins = fsdp_bins()[2 * rank : 2 * rank + 2]
+    parts = [fsdp_plan(model, b, seed=2 * rank + i) for i, b in enumerate(bins)]
+    den = count_denominators([p for p, _ in parts], all_reduce=True)
+    for i, (plan, outputs) in enumerate(parts):
+        model.set_requires_gradient_sync(i == len(parts) - 1)  # reduce-scatter once, after the last
+        # FSDP2 averages gradients over ranks; the global denominators already make the loss a sum.
+        (compute_loss(plan, outputs, den).loss * world_size).backward()
+    return [p.grad.full_tensor().clone() for p in model.parameters()]
+
+
+def test_fsdp2_two_ranks_match_single_process():
+    ranks = run_gloo(fsdp_worker, world_size=2, timeout=240)
+    model = fsdp_model()
+    parts = [fsdp_plan(model, b, seed=i) for i, b in enumerate(fsdp_bins())]
+    den = count_denominators([p for p, _ in parts])
+    sum(compute_loss(p, o, den).loss for p, o in parts).backward()
+    want = [p.grad for p in model.parameters()]
+    assert all(g.abs().sum() > 0 for g in want)
+    for rank in ranks:
+        for got, expected in zip(rank, want, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
