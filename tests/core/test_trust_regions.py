@@ -337,7 +337,7 @@ def test_new_regions_are_registered_with_verl_defaults():
     """Names resolve to the classes; defaults are verl 0.9.1's ActorConfig values (tau_pos/neg,
     clip_ratio_low/high, clip_ratio_c) and the TOPR paper's [·]_0^1."""
     assert trust_region("sapo") == SAPO(tau_pos=1.0, tau_neg=1.05)
-    assert trust_region("geo_mean") == GMPO(clip_low=0.2, clip_high=0.2, eps=1e-8)
+    assert trust_region("geo_mean") == GMPO(clip_low=0.2, clip_high=0.2, eps=0.0)
     assert trust_region("gpg") == GPG()
     assert trust_region("dppo_tv") == DPPOTV(low=0.2, high=0.2, ratio_cap=3.0)
     assert trust_region("dppo_kl") == DPPOKL(low=0.2, high=0.2, ratio_cap=3.0)

@@ -162,8 +162,9 @@ class GMPO(TrustRegion):
     ``normalize="sequence_mean"`` the loss is the paper's (and verl's ``mean`` over the rows, which
     also counts rows without members). A token with ``A' = 0`` contributes ``ℓ_t = 0`` (as verl).
 
-    Deviations from the paper, as verl: ``eps = 1e-8`` in both denominators (``eps=0`` gives the
-    paper's exact mean; a sequence without members is never divided by 0), and no clamp of ``log r``.
+    ``eps`` (default 0: the paper's exact mean; a sequence without members is never divided by 0) is
+    added to both denominators. verl's code adds ``1e-8`` to a float32 count, where it rounds away for
+    any sequence with members, so the default is what verl computes. No clamp of ``log r``.
     The defaults ``ε_low = ε_high = 0.2`` are verl's ``clip_ratio_low``/``_high``; the paper uses 0.4
     (ratio range ``(e^−0.4, e^0.4)``). verl's ``old_log_prob`` is ``t.base``. Metrics
     ``clip_frac_high`` / ``clip_frac_low``: members with ``log r`` outside ``[−ε_low, ε_high]`` and
@@ -173,7 +174,7 @@ class GMPO(TrustRegion):
 
     clip_low: float = 0.2
     clip_high: float = 0.2
-    eps: float = 1e-8
+    eps: float = 0.0
 
     def check(self) -> None:
         super().check()

@@ -33,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="data-parallel processes (gloo on CPU, NCCL on CUDA)")  # fmt: skip
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--distill", choices=("sampled", "full"), default="full",
-                        help="full-vocabulary reverse KL (default) or sampled-token ref_kl (on-policy distillation)")  # fmt: skip
+                        help="full-vocabulary reverse KL (default) or sampled-token ref_kl")  # fmt: skip
     parser.add_argument("--no-baseline", dest="baseline", action="store_false",
                         help="sampled distillation without the mean baseline (raw advantage ref − trn)")  # fmt: skip
     parser.add_argument("--emulate-ranks", type=positive_int, default=1, metavar="K",
