@@ -297,7 +297,8 @@ class RatioWeightedKL:
 
     ``old`` is ``old_logprobs``, or ``sg(trn)`` without it (``ρ = 1`` in value, not in gradient). ``ρ``
     is differentiable. A component loss of its own (not a :class:`~packloss.KLPenalty`), so it is not
-    multiplied by the rollout correction, as in TRL. Metric ``ref_kl_penalty``: mean k3 over the members.
+    multiplied by the rollout correction, as in TRL. Metrics over the members: ``ref_kl_penalty``, mean
+    k3; ``ratio_weighted_kl``, mean ``ρ·k3`` (what TRL logs as ``kl``).
     """
 
     coef: float
@@ -323,8 +324,9 @@ class RatioWeightedKL:
             log_r = torch.where(m, broadcast(seq_log_r, inputs.seq_ids), 0.0)
         x = torch.where(m, upcast(inputs.plan.require("ref_logprobs", inputs.name).detach()) - trn, 0.0)
         k3 = torch.exp(x) - x - 1  # [N]
-        per_token = self.coef * torch.exp(log_r) * k3
-        return outputs_from_named(inputs, per_token, {"ref_kl_penalty": (k3, m)})
+        weighted = torch.exp(log_r) * k3  # [N]
+        metrics = {"ref_kl_penalty": (k3, m), "ratio_weighted_kl": (weighted, m)}
+        return outputs_from_named(inputs, self.coef * weighted, metrics)
 
 
 # ---------------------------------------------------------------------------------------------------

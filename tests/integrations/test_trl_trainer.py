@@ -1,0 +1,330 @@
+"""packloss.integrations.trl.PacklossGRPOTrainer against TRL 1.16's own GRPOTrainer.
+
+End to end (CPU): a tiny ``LlamaForCausalLM`` and a word-level tokenizer built here, a dataset of four
+prompts and a Python reward; TRL's ``GRPOTrainer`` and ``PacklossGRPOTrainer`` train two optimizer steps
+of two accumulated micro-batches each (SGD, so a parameter update is the gradient itself), from the
+same seed. Generation is TRL's sampling with the global torch generator, seeded by TRL from
+``args.seed``; both runs draw the same numbers (the loss consumes none), so the completions are the
+same, which is asserted. ``num_iterations=2`` makes the second step reuse the first step's completions
+with TRL's old log-probs, so the ratio moves and clips (asserted where it must). Agreement: each
+step's logged loss within 1e-6 absolute (losses are O(0.1), float32), every metric TRL logs within
+1e-5 relative / 1e-6 absolute, and the parameters after each step within 1e-6 of their scale, where
+each step moves them by more than 1e-2.
+
+On TRL's padded batch (no model): ``_compute_loss`` of a bare ``PacklossGRPOTrainer`` against TRL's own
+``_compute_loss`` on random float64 batches (tests/integrations/test_trl.py's data: ragged completions,
+tool masks, a row without a loss token, vLLM sampling log-probs): loss and gradient within 1e-10, every
+TRL metric within 1e-6, for every loss type × level × beta × vLLM correction, in training (3 micro-
+batches) and evaluation, and per rank with two processes (the ranks' bookkeeping: gather and reduce are
+the identity there).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
+from trl import GRPOConfig, GRPOTrainer
+
+from packloss.integrations.trl import LOSS_TYPES, PacklossGRPOTrainer
+from tests.integrations.test_trl import F64, T, assert_close, cases, config, padded_batch, trl_is_ratio, trl_trainer
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations" / "trl.md"
+WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(9)]
+NOT_COMPARED = {"step_time", "epoch", "step", "learning_rate"}  # wall-clock and bookkeeping
+PPO_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+
+
+# ---------------------------------------------------------------------------------------------------
+# End to end: a tiny model, two optimizer steps
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: one thread is several times faster on a shared CPU (and the same in both runs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def tokenizer() -> PreTrainedTokenizerFast:
+    vocab = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    vocab.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=vocab, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A saved tiny Llama (a path, so that TRL can load the reference model from it), its tokenizer and
+    the prompts. 12 tokens: ``<eos>`` is sampled often enough that completions are ragged."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    cfg = LlamaConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32, pad_token_id=0,
+                      eos_token_id=1, bos_token_id=None)  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(path)
+    dataset = Dataset.from_dict({"prompt": ["w1 w2", "w3 w4 w5", "w6", "w7 w8"]})
+    return str(path), tokenizer(), dataset
+
+
+def reward_w3(completions, **kwargs):
+    return [c.count("w3") + 0.1 * len(c.split()) for c in completions]
+
+
+class Snapshots(TrainerCallback):
+    """The parameters after each optimizer step."""
+
+    def __init__(self):
+        self.steps = []
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.steps.append({n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def train(tiny, trainer_cls, options: dict, **trainer_kwargs):
+    path, tok, dataset = tiny
+    args = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="packloss-trl-"),
+        use_cpu=True,
+        bf16=False,
+        seed=3,
+        per_device_train_batch_size=4,
+        num_generations=4,
+        gradient_accumulation_steps=2,
+        max_completion_length=6,
+        max_steps=2,
+        logging_steps=1,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        gradient_checkpointing=False,
+        report_to=[],
+        save_strategy="no",
+        disable_tqdm=True,
+        **options,
+    )
+    snapshots = Snapshots()
+    trainer = trainer_cls(model=path, reward_funcs=reward_w3, args=args, train_dataset=dataset,
+                          processing_class=tok, callbacks=[snapshots], **trainer_kwargs)  # fmt: skip
+    initial = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 2 and len(snapshots.steps) == 2
+    return trainer, logs, [initial, *snapshots.steps]
+
+
+def assert_same_run(trl_run, ours_run, ratio_moves: bool) -> None:
+    """Same completions; each step's logged loss, TRL's metrics and parameters agree (module doc)."""
+    (trl, trl_logs, trl_params), (ours, our_logs, our_params) = trl_run, ours_run
+    assert list(ours._logs["completion"]) == list(trl._logs["completion"]), "generation differs between the runs"
+    assert trl_logs[0]["completions/min_length"] < trl_logs[0]["completions/max_length"], "completions not ragged"
+    for step, (expected, got) in enumerate(zip(trl_logs, our_logs, strict=True)):
+        assert abs(got["loss"] - expected["loss"]) <= 1e-6, (step, got["loss"], expected["loss"])
+        for key, value in expected.items():
+            if key in NOT_COMPARED:
+                continue
+            assert key in got, f"step {step}: TRL logs {key!r}, PacklossGRPOTrainer does not"
+            both_nan = math.isnan(got[key]) and math.isnan(value)
+            assert both_nan or math.isclose(got[key], value, rel_tol=1e-5, abs_tol=1e-6), (step, key, got[key], value)
+        assert "packloss/pg/loss" in got
+        if ratio_moves and step == 1 and "clip_ratio/region_mean" in expected:
+            assert expected["clip_ratio/region_mean"] > 0.05, "the second step should clip: the test would miss it"
+    for step in (1, 2):
+        scale = max(p.abs().max().item() for p in trl_params[step].values())
+        moved = max((trl_params[step][n] - trl_params[step - 1][n]).abs().max().item() for n in trl_params[step])
+        diff = max((our_params[step][n] - trl_params[step][n]).abs().max().item() for n in trl_params[step])
+        assert moved > 1e-2, f"step {step} barely moved the parameters ({moved:.2e}): the comparison is vacuous"
+        assert diff <= 1e-6 * scale, f"step {step}: parameters differ by {diff:.3e} (scale {scale:.3e})"
+
+
+def _e2e_cases():
+    out = {}
+    for loss_type in LOSS_TYPES:
+        for beta in (0.0, 0.04):
+            options = dict(loss_type=loss_type, beta=beta, num_iterations=2)
+            if loss_type == "cispo":
+                options["epsilon_high"] = 1.2  # TRL's CISPO cap is absolute: one that binds sometimes
+            out[f"{loss_type}-beta{beta}"] = options
+    out.update(
+        {
+            "dapo-on_policy": dict(loss_type="dapo"),  # no old log-probs, a fresh generation per step
+            "grpo-sequence": dict(loss_type="grpo", importance_sampling_level="sequence", num_iterations=2),
+            "cispo-sequence": dict(loss_type="cispo", importance_sampling_level="sequence", epsilon_high=1.2,
+                                   num_iterations=2),
+            "dapo-kl_k3": dict(loss_type="dapo", beta=0.04, use_bias_correction_kl=False, num_iterations=2),
+            "grpo-entropy_bonus": dict(loss_type="grpo", entropy_coef=0.01, num_iterations=2),
+            "grpo-masked_truncated": dict(loss_type="grpo", mask_truncated_completions=True, num_iterations=2),
+        }
+    )  # fmt: skip
+    return out
+
+
+E2E = _e2e_cases()
+
+
+@pytest.mark.parametrize("name", list(E2E))
+def test_trainer_matches_trl_end_to_end(tiny, name):
+    options = E2E[name]
+    assert_same_run(
+        train(tiny, GRPOTrainer, options), train(tiny, PacklossGRPOTrainer, options), options.get("num_iterations") == 2
+    )
+
+
+def test_step_normalization(tiny):
+    """``packloss_normalization="step"``: dapo equals TRL's dapo (``steps_per_generation == G``); bnpo
+    becomes the token mean over the step, i.e. TRL's dapo, where TRL's bnpo (a mean per micro-batch)
+    differs."""
+    options = dict(num_iterations=2)
+    trl_dapo = train(tiny, GRPOTrainer, dict(options, loss_type="dapo"))
+    assert_same_run(trl_dapo, train(tiny, PacklossGRPOTrainer, dict(options, loss_type="dapo"),
+                                    packloss_normalization="step"), ratio_moves=True)  # fmt: skip
+    step_bnpo = train(tiny, PacklossGRPOTrainer, dict(options, loss_type="bnpo"), packloss_normalization="step")
+    assert_same_run(trl_dapo, step_bnpo, ratio_moves=True)
+    trl_bnpo = train(tiny, GRPOTrainer, dict(options, loss_type="bnpo"))
+    assert abs(trl_bnpo[1][0]["loss"] - step_bnpo[1][0]["loss"]) > 1e-4, "TRL's bnpo should differ here"
+
+
+def test_options_are_checked_before_the_models_load(tiny):
+    path, tok, dataset = tiny
+
+    def build(normalization="trl", **options):
+        args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="packloss-trl-"), use_cpu=True, report_to=[],
+                          per_device_train_batch_size=4, num_generations=4, **options)  # fmt: skip
+        return PacklossGRPOTrainer("no/such-model", reward_w3, args, dataset, packloss_normalization=normalization)
+
+    with pytest.raises(NotImplementedError, match="top_entropy_quantile"):
+        build(top_entropy_quantile=0.5)
+    with pytest.raises(ValueError, match="packloss_normalization must be one of"):
+        build("tokens")
+    with pytest.raises(ValueError, match="steps_per_generation .* multiple of gradient_accumulation_steps"):
+        build("step", gradient_accumulation_steps=2, steps_per_generation=3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# On TRL's padded batch: _compute_loss against TRL's, every option
+# ---------------------------------------------------------------------------------------------------
+
+
+def bare_trl_trainer(cfg, world: int = 1) -> GRPOTrainer:
+    """test_trl's bare GRPOTrainer; ``world``: the number of processes it believes it runs on (its
+    gather and reduce stay the identity, so each rank sees the same data)."""
+    trainer = trl_trainer(cfg)
+    trainer.accelerator.num_processes = world
+    return trainer
+
+
+def packloss_trainer(cfg, world: int = 1) -> PacklossGRPOTrainer:
+    """A bare PacklossGRPOTrainer with the attributes of :func:`bare_trl_trainer`'s."""
+    trainer = object.__new__(PacklossGRPOTrainer)
+    trainer.__dict__.update(bare_trl_trainer(cfg, world).__dict__)
+    trainer._init_packloss("trl")
+    return trainer
+
+
+def compute(trainer, cfg, b, micro_batches, old_given=True, mode="train"):
+    """Σ over the micro-batches of ``trainer._compute_loss`` on TRL's batch (as test_trl.trl_loss)."""
+    trainer.model.training = mode == "train"
+    ratio = trl_is_ratio(trainer, b)
+    num_items = b.completion_mask.mul(b.tool_mask).sum()
+    total = torch.zeros((), dtype=F64)
+    for rows in micro_batches:
+        logps, entropies = b.logps[rows], b.entropies[rows]
+        trainer._get_per_token_logps_and_entropies = lambda *a, _l=logps, _e=entropies, **k: (_l, _e, None)
+        n = logps.shape[0]
+        inputs = {
+            "prompt_ids": torch.zeros(n, 0, dtype=torch.long),
+            "prompt_mask": torch.zeros(n, 0, dtype=torch.long),
+            "completion_ids": torch.zeros(n, T, dtype=torch.long),
+            "completion_mask": b.completion_mask[rows],
+            "tool_mask": b.tool_mask[rows],
+            "advantages": b.adv[rows],
+            "num_items_in_batch": num_items,
+        }
+        if old_given:
+            inputs["old_per_token_logps"] = b.old[rows]
+        if cfg.use_vllm:
+            inputs["sampling_per_token_logps"] = b.sampling[rows]
+        if ratio is not None:
+            inputs["importance_sampling_ratio"] = ratio[rows]
+        if cfg.beta != 0:
+            inputs["ref_per_token_logps"] = b.ref[rows]
+        total = total + trainer._compute_loss(None, inputs)
+    return total
+
+
+def assert_same_loss_and_metrics(cfg, b, micro_batches, old_given=True, mode="train", world=1):
+    trl, ours = bare_trl_trainer(cfg, world), packloss_trainer(cfg, world)
+    expected = compute(trl, cfg, b, micro_batches, old_given, mode)
+    got = compute(ours, cfg, b, micro_batches, old_given, mode)
+    assert_close(got, expected)
+    (g_expected,) = torch.autograd.grad(expected, b.logps, retain_graph=True)
+    (g_got,) = torch.autograd.grad(got, b.logps)
+    assert_close(g_got, g_expected)
+    for key, values in trl._metrics[mode].items():
+        assert key in ours._metrics[mode], f"TRL logs {key!r}, PacklossGRPOTrainer does not"
+        got, want = torch.tensor(ours._metrics[mode][key], dtype=F64), torch.tensor(values, dtype=F64)
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7, equal_nan=True), (key, got, want)
+    return ours
+
+
+@pytest.mark.parametrize("loss_type, level, beta, is_case", list(cases(accepted_only=True)))
+def test_compute_loss_matches_trl_on_its_batch(loss_type, level, beta, is_case):
+    """3 micro-batches of 4 rows, one row without a loss token (TRL's grpo/sapo mean counts it, and so
+    does the trainer's "trl" normalisation)."""
+    cfg = config(loss_type, level, beta, is_case, rows=4, accumulation=3)
+    b = padded_batch(seed=len(loss_type + level + beta + is_case), rows=12, empty_rows=(6,))
+    ours = assert_same_loss_and_metrics(cfg, b, [slice(0, 4), slice(4, 8), slice(8, 12)], is_case != "on_policy")
+    assert any(key.startswith("packloss/") for key in ours._metrics["train"])
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_compute_loss_matches_trl_in_evaluation(loss_type):
+    """Evaluation: TRL's normalisers without accumulation (``num_items_in_batch`` is the eval batch's)."""
+    cfg = config(loss_type, "token", "beta_kl_bias_corrected", "token_truncate", rows=6, accumulation=2,
+                 entropy_coef=0.02)  # fmt: skip
+    b = padded_batch(seed=31, rows=6, empty_rows=(4,))
+    assert_same_loss_and_metrics(cfg, b, [slice(0, 6)], mode="eval")
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_compute_loss_matches_trl_per_rank(loss_type):
+    """Two processes: TRL's loss is per rank (DDP averages); packloss's a rank's share of the step's
+    (summed), so the trainer returns W × it, with ``from_trl``'s constants counted over the W ranks."""
+    cfg = config(loss_type, "token", "beta_kl_bias_corrected", "token_truncate", rows=4, accumulation=2,
+                 entropy_coef=0.02)  # fmt: skip
+    b = padded_batch(seed=37, rows=8, empty_rows=(3,))
+    assert_same_loss_and_metrics(cfg, b, [slice(0, 4), slice(4, 8)], world=2)
+
+
+def test_nan_sampling_logprob_is_ratio_one_as_in_trl():
+    """A token vLLM could not score (NaN) gets ρ = 1, as TRL (``from_trl``'s recipe alone would be NaN)."""
+    cfg = config("dapo", "token", "beta0", "token_truncate", rows=4, accumulation=1)
+    b = padded_batch(seed=13, rows=4)
+    b.sampling[0, 0] = float("nan")
+    assert_same_loss_and_metrics(cfg, b, [slice(0, 4)])
+
+
+# ---------------------------------------------------------------------------------------------------
+# The docs
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_docs_snippet_runs():
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    assert blocks, f"no python block in {DOC}"
+    namespace: dict = {}
+    exec(compile("\n".join(blocks), str(DOC), "exec"), namespace)
+    trainer = namespace["trainer"]
+    assert isinstance(trainer, PacklossGRPOTrainer) and trainer.state.global_step == 2
+    logged = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert logged and all("packloss/pg/loss" in entry for entry in logged)
