@@ -93,7 +93,7 @@ class Snapshots(TrainerCallback):
 def train(tiny, trainer_cls, options: dict, **trainer_kwargs):
     path, tok, dataset = tiny
     args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="packloss-trl-"),
+        output_dir=tempfile.mkdtemp(prefix="run-", dir=Path(path).parent),
         use_cpu=True,
         bf16=False,
         seed=3,
@@ -198,7 +198,7 @@ def test_options_are_checked_before_the_models_load(tiny):
     path, tok, dataset = tiny
 
     def build(normalization="trl", **options):
-        args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="packloss-trl-"), use_cpu=True, report_to=[],
+        args = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="run-", dir=Path(path).parent), use_cpu=True, report_to=[],
                           per_device_train_batch_size=4, num_generations=4, **options)  # fmt: skip
         return PacklossGRPOTrainer("no/such-model", reward_w3, args, dataset, packloss_normalization=normalization)
 
