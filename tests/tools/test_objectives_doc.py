@@ -23,13 +23,20 @@ def test_every_registered_region_names_its_tests():
     assert not missing, f"trust regions without tests in TESTED_BY: {missing}"
 
 
+def _source(name: str) -> str:
+    """The source of integration ``name``: its module, or every module of its package."""
+    base = ROOT / "src" / "packloss" / "integrations"
+    files = [base / f"{name}.py"] if (base / f"{name}.py").exists() else sorted((base / name).glob("*.py"))
+    return "\n".join(f.read_text() for f in files)
+
+
 def test_tested_by_claims_hold():
     paper_tested = {objective.trust_region.name for objective, _ in OBJECTIVES.values()}
     sources = {
         "test_trust_regions.py": None,
         "test_selection.py": (ROOT / "tests" / "core" / "test_selection.py").read_text(),
-        "test_trl.py": (ROOT / "src" / "packloss" / "integrations" / "trl.py").read_text(),
-        "test_verl.py": (ROOT / "src" / "packloss" / "integrations" / "verl.py").read_text(),
+        "test_trl.py": _source("trl"),
+        "test_verl.py": _source("verl"),
         "test_prime_rl.py": None,
     }
     for name, claims in objectives_doc.TESTED_BY.items():
