@@ -600,7 +600,7 @@ REGIONS = {
 
 
 @pytest.mark.parametrize("name", sorted(REGIONS))
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=packings())
 def test_region_matches_paper_reference(name, case):
     region, paper = REGIONS[name]
@@ -608,7 +608,7 @@ def test_region_matches_paper_reference(name, case):
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(case=packings())
 def test_ratio_weighted_kl_matches_reference(level, case):
     check_against_paper(RatioWeightedKL(0.3, level), lambda seq: _kl_reference(seq, 0.3, level), case,
