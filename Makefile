@@ -15,8 +15,10 @@ setup: $(PY)
 
 test: setup
 	$(PY) -m pip install -q -e ".[peers]"
+	# OpenRLHF's full install needs CUDA builds (flash-attn, deepspeed); its loss module needs only torch
+	$(PY) -m pip install -q --no-deps "openrlhf==0.11.2"
 	$(PY) -m ruff check src tests
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 demo: setup
 	$(VENV)/bin/packloss demo --out demo-out
