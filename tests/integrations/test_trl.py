@@ -55,7 +55,6 @@ from packloss.testing import OpCounter
 F64 = torch.float64
 RTOL = 1e-10
 T = 9  # padded completion length (= max_completion_length)
-HAS_SAPO = "sapo" in TRUST_REGIONS
 # IS case → (vllm_importance_sampling_mode, clip_min, clip_max); "off": no vLLM correction (old stream
 # given), "on_policy": no correction and no old stream (TRL then uses sg(per_token_logps))
 IS_CASES = {
@@ -314,8 +313,6 @@ def cases(accepted_only: bool = False):
                     if accepted_only and _vespo_rejects(loss_type, is_case):
                         continue
                     marks = []
-                    if loss_type == "sapo" and not HAS_SAPO:
-                        marks.append(pytest.mark.skip(reason="packloss's 'sapo' trust region is not registered"))
                     case_id = f"{loss_type}-{level}-{beta}-{is_case}"
                     yield pytest.param(loss_type, level, beta, is_case, id=case_id, marks=marks)
 
@@ -447,7 +444,6 @@ def test_dapo_denominator_when_generation_spans_two_steps():
     assert_close(ours * step_tokens / (generation_tokens / 2), trl)
 
 
-@pytest.mark.skipif(not HAS_SAPO, reason="packloss's 'sapo' trust region is not registered")
 def test_sapo_temperatures_are_float32_in_trl():
     """TRL's SAPO temperatures are ``torch.where(A > 0, τ_pos, τ_neg)`` of two Python floats: float32,
     whatever the data's dtype. With TRL's default ``τ_neg = 1.05`` (not a float32 number) a float64
@@ -578,7 +574,7 @@ def _kl_reference(seq, coef: float, level: str):
 
 
 def _sapo_regions():
-    return [TRUST_REGIONS["sapo"](1.0, 1.05)] if HAS_SAPO else []
+    return [TRUST_REGIONS["sapo"](1.0, 1.05)]
 
 
 REGIONS = {

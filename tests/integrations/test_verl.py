@@ -405,10 +405,7 @@ def compare(cfg, recipe, b: Batch, split, *, mask_packed=None, bypass=False, mod
 def _case(mode: str, agg: str, rows: int):
     i = MODES.index(mode) + LOSS_AGG_MODES.index(agg)
     cfg = actor_config(mode, agg, kl=KL_TYPES[i % len(KL_TYPES)], rows=rows)
-    if not region_ready(mode):
-        with pytest.raises(NotImplementedError, match="loss_mode"):
-            from_verl(cfg, response_length=12)
-        pytest.skip(f"packloss has no {_REGION_OF[mode]!r} trust region in this checkout")
+    assert region_ready(mode), f"packloss has no {_REGION_OF[mode]!r} trust region"
     return cfg, from_verl(cfg, response_length=12)
 
 
@@ -479,7 +476,7 @@ def test_covariance_modes_match_verl_on_one_micro_batch_first_epoch(mode, agg):
     if mode not in TRUST_REGIONS:
         with pytest.raises(NotImplementedError, match=f"no '{mode}' trust region"):
             from_verl(_cov_config(mode, agg, 8), response_length=12)
-        pytest.skip(f"packloss has no {mode!r} trust region in this checkout")
+        pytest.fail(f"packloss has no {mode!r} trust region in this checkout")
     cfg = _cov_config(mode, agg, 8)
     b = first_epoch(make_batch(40 + LOSS_AGG_MODES.index(agg)), 1)
     v, _ = compare(cfg, from_verl(cfg, response_length=12), b, [[list(range(8))]], mode=mode)
@@ -495,7 +492,7 @@ def test_covariance_modes_match_verl_on_one_micro_batch_first_epoch(mode, agg):
 def test_covariance_selection_over_micro_batches_differs():
     """verl's KL-Cov picks its top-k per micro-batch (its means, its k); packloss over the step."""
     if "kl_cov" not in TRUST_REGIONS:
-        pytest.skip("packloss has no 'kl_cov' trust region in this checkout")
+        pytest.fail("packloss has no 'kl_cov' trust region in this checkout")
     cfg = _cov_config("kl_cov", "token-mean", 12)
     b = first_epoch(make_batch(45, rows=12, empty=(2, 7)), 2)
     recipe = from_verl(cfg)
@@ -586,7 +583,7 @@ def test_bypass_rejection_matches_verl(loss_type, rs, rs_threshold, agg):
             from_verl(cfg)
         return
     if loss_type == "reinforce" and not region_ready("bypass:reinforce"):
-        pytest.skip("packloss has no 'gpg' trust region in this checkout")
+        pytest.fail("packloss has no 'gpg' trust region in this checkout")
     b = make_batch(11, rows=12, empty=(3,))
     padded_logp = torch.zeros_like(b.old).masked_scatter(b.valid, b.logp)
     kept, _ = compute_rollout_rejection_mask(padded_logp - b.rollout, b.mask.long(), rs, rs_threshold)
@@ -599,7 +596,7 @@ def test_bypass_rejection_matches_verl(loss_type, rs, rs_threshold, agg):
 def test_bypass_reinforce_importance_weights_match_verl(level, threshold):
     """Bypass REINFORCE: ``−A · log π · w`` with verl's IS weights from the current ``log_prob``."""
     if not region_ready("bypass:reinforce"):
-        pytest.skip("packloss has no 'gpg' trust region in this checkout")
+        pytest.fail("packloss has no 'gpg' trust region in this checkout")
     rc = RolloutCorrectionConfig(
         bypass_mode=True, loss_type="reinforce", rollout_is=level, rollout_is_threshold=threshold
     )
@@ -790,7 +787,7 @@ def test_geo_mean_depends_on_the_split():
     split into 1, 2 or 3 micro-batches gives verl three losses (1×, 2×, 3× the mean without member-less
     rows); packloss's step loss is one."""
     if not region_ready("geo_mean"):
-        pytest.skip("packloss has no 'geo_mean' trust region in this checkout")
+        pytest.fail("packloss has no 'geo_mean' trust region in this checkout")
     b = make_batch(37, rows=12, empty=())
     cfg = actor_config("geo_mean", kl=None, entropy=0.0, rows=12)
     recipe = from_verl(cfg)
@@ -839,7 +836,7 @@ def _describe(recipe: Recipe) -> list[tuple]:
 @pytest.mark.parametrize("mode", ["vanilla", "sapo", "dro", "bypass:reinforce"])
 def test_dataclass_omegaconf_and_dict_configs_agree(mode):
     if not region_ready(mode):
-        pytest.skip("trust region not in this checkout")
+        pytest.fail("trust region not in this checkout")
     cfg = actor_config(mode, "seq-mean-token-sum-norm", kl="k2", scale=512)
     as_dict = dataclasses.asdict(cfg)
     expected = _describe(from_verl(cfg))
@@ -958,19 +955,11 @@ def test_unmappable_settings_raise_naming_the_option(build, error, match):
         build()
 
 
-def test_pending_modes_raise_until_packloss_has_them():
-    for mode, region in {"gpg": "gpg", "sapo": "sapo", "geo_mean": "geo_mean", "dppo_tv": "dppo_tv"}.items():
-        if region not in TRUST_REGIONS:
-            with pytest.raises(NotImplementedError, match=f"no '{region}' trust region"):
-                from_verl({"policy_loss": {"loss_mode": mode}})
-    if "gpg" in TRUST_REGIONS:
-        with pytest.raises(NotImplementedError, match="rollout_is with loss_mode='dro'"):
-            from_verl(
-                {"policy_loss": {"loss_mode": "dro", "dro_beta": 0.1}}, rollout_correction={"rollout_is": "token"}
-            )
-    if "geo_mean" in TRUST_REGIONS:
-        with pytest.raises(NotImplementedError, match="rollout_is with loss_mode='geo_mean'"):
-            from_verl({"policy_loss": {"loss_mode": "geo_mean"}}, rollout_correction={"rollout_is": "sequence"})
+def test_unmapped_corrections_raise():
+    with pytest.raises(NotImplementedError, match="rollout_is with loss_mode='dro'"):
+        from_verl({"policy_loss": {"loss_mode": "dro", "dro_beta": 0.1}}, rollout_correction={"rollout_is": "token"})
+    with pytest.raises(NotImplementedError, match="rollout_is with loss_mode='geo_mean'"):
+        from_verl({"policy_loss": {"loss_mode": "geo_mean"}}, rollout_correction={"rollout_is": "sequence"})
 
 
 def test_docs_table_is_generated_from_the_mapping():

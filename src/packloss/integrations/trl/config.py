@@ -410,8 +410,6 @@ def _correction(c: _Config) -> RolloutCorrection | None:
 
 
 def _sapo(c: _Config) -> TrustRegion:
-    if "sapo" not in TRUST_REGIONS:
-        raise NotImplementedError("from_trl: loss_type='sapo' needs packloss's 'sapo' trust region, not registered")
     pos, neg = c.number("sapo_temperature_pos"), c.number("sapo_temperature_neg")
     return TRUST_REGIONS["sapo"](tau_pos=pos, tau_neg=neg)
 
