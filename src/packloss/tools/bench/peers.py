@@ -1,0 +1,549 @@
+"""The ``peers`` suite: the same data through packloss and through the peers' own code, where installed.
+
+Each comparison first checks that every variant computes the same value and gradient (``check`` below,
+:class:`ValuesDisagree` otherwise), then times them; a peer that cannot be imported is skipped with a
+note in ``result["notes"]`` (and no row). Ratios are packloss ÷ peer, measured in the same run.
+
+* ``rl/...``: forward+backward of the policy-gradient loss w.r.t. the trainer log-probs, float32, one
+  rank, one micro-batch. packloss: :func:`~packloss.compute_loss` on the packed bin (``[N]``), plan and
+  step denominators built once outside the timed step (as a trainer does), ``eager`` and ``compiled``
+  (``torch.compile``); its recipe comes from the peer's config (:func:`~packloss.integrations.trl.from_trl`,
+  :func:`~packloss.integrations.verl.from_verl`). Peers, on the same sequences padded to ``[B, T]``, in
+  eager mode as their trainers run them:
+
+  - ``rl/dapo·trl``: TRL 1.16's ``GRPOTrainer._compute_loss`` (``loss_type="dapo"``, token-level PPO
+    clip, token mean) on a bare trainer whose forward is a stub returning the given log-probs (the
+    approach of ``tests/integrations/test_trl.py``); TRL's metric logging is part of its call;
+  - ``rl/ppo_clip·verl``: verl 0.9.1's ``get_policy_loss_fn("vanilla")`` (dual-clip PPO, token-mean);
+  - ``rl/dppo_tv·verl``: ``get_policy_loss_fn("dppo_tv")`` (token-mean).
+
+  Checked: loss and gradient (``d loss / d log-prob`` at every member token), ``|Δ| ≤ rtol · max|peer|``
+  with ``rtol = 1e-6``. Timed round-robin (one call of each variant per round), median. ``peak_bytes``:
+  ``None`` (the streams are ``O(N)``, a few hundred KiB: below what the RSS peak resolves).
+* ``head``: log-probs of the labels from hidden states, forward+backward of ``Σ log p`` w.r.t. hidden
+  ``[N, H]`` and weight ``[V, H]``: ``naive_eager`` (``[N, V]`` logits, ``log_softmax``, gather),
+  ``packloss_fused`` (:func:`packloss.vocab.linear_logprobs`, no entropy), ``cce_torch_compile``
+  (cut-cross-entropy's ``linear_cross_entropy(impl="torch_compile", reduction="none")``, negated; its
+  ``cce`` kernel needs Triton on a GPU).
+* ``distill``: generalised JSD (``β = 0.5``) of a student head against a teacher head, token mean over the
+  members (about 10% of the tokens ignored), forward+backward w.r.t. the student's hidden and weight:
+  ``naive_eager`` (materialised), ``packloss_fused`` (:func:`packloss.vocab.linear_distill`,
+  ``kind="jsd"``), ``liger_compiled`` (Liger's ``chunked_loss.LigerFusedLinearJSDLoss``, torch path,
+  ``compiled=True``, no hard loss).
+
+  ``head`` and ``distill`` run each variant in a fresh process (:func:`~._measure.run_fresh`): peak
+  memory as in the ``head`` suite, then the median of ``repeat`` calls. Before any timing every variant's
+  values and gradients are checked against ``naive_eager`` on the check shape (the timed shape under
+  ``--quick``) with ``rtol = 1e-5`` of the largest magnitude (float32 sums over ``V`` and ``N`` in
+  different orders); each timed row also carries ``value``, its ``Σ`` output at the timed shape.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from packloss.core.normalize import count_denominators
+from packloss.core.plan import Plan
+from packloss.tools.bench._measure import peak_bytes, release_freed_memory, reset_peak, run_fresh, time_ms
+from packloss.tools.bench.loss import _interleaved_ms, native_step
+
+__all__ = ["run", "ValuesDisagree", "check", "RL_RTOL", "HEAD_RTOL"]
+
+RL_RTOL = 1e-6
+HEAD_RTOL = 1e-5
+JSD_BETA = 0.5
+
+
+class ValuesDisagree(RuntimeError):
+    """A variant's value or gradient differs from the reference's: its timing would compare different work."""
+
+
+def check(what: str, actual: Tensor, expected: Tensor, rtol: float) -> float:
+    """``max|actual − expected| ≤ rtol · max|expected|`` or :class:`ValuesDisagree`; the relative error."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    if actual.shape != expected.shape:
+        raise ValuesDisagree(f"{what}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    err = float((actual - expected).abs().max()) if expected.numel() else 0.0
+    if not scale > 0 or not err <= rtol * scale:  # a zero reference proves nothing; NaN fails too
+        raise ValuesDisagree(f"{what}: max error {err:.3e} vs scale {scale:.3e} (rtol {rtol:g})")
+    return err / scale
+
+
+def _import(module: str, attr: str | None = None) -> tuple[Any, str | None]:
+    """``(module or its attr, None)``, or ``(None, why not)``: a peer that cannot be imported is skipped."""
+    try:
+        mod = importlib.import_module(module)
+        return (getattr(mod, attr) if attr else mod), None
+    except Exception as exc:  # ImportError, or a peer's own import-time failure (e.g. a missing Triton)
+        return None, f"{module} not importable ({type(exc).__name__}: {exc}): skipped"
+
+
+# ---------------------------------------------------------------------------------------------------
+# RL loss math
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RLBatch:
+    """One micro-batch, padded ``[B, T]`` (the peers' layout) and packed ``[N]`` (packloss's).
+    ``valid``: the completion tokens; ``mask`` ⊆ ``valid``: the loss members (about 5% holes)."""
+
+    seq_lens: list[int]
+    valid: Tensor  # [B, T] bool
+    mask: Tensor  # [B, T] bool
+    logp: Tensor  # [B, T] trainer log-probs (padding: 0)
+    old: Tensor  # [B, T]
+    adv: Tensor  # [B] one advantage per sequence
+
+    def packed(self, x: Tensor) -> Tensor:
+        return x[self.valid]  # untimed: building the packed streams
+
+
+def rl_batch(num_tokens: int, num_seqs: int, seed: int = 0) -> RLBatch:
+    """Lengths uniform in ``[0.1, 1.9] × mean`` summing to ``num_tokens`` (padded width ≈ 1.9 × mean);
+    ``log π_old`` in ``log [0.05, 0.95]``, ``log π_θ`` 0.3-normal around it, unit-normal advantages."""
+    g = torch.Generator().manual_seed(seed)
+    mean = num_tokens / num_seqs
+    lens = (mean * (0.1 + 1.8 * torch.rand(num_seqs, generator=g))).round().clamp(min=1).long()
+    lens[0] += num_tokens - int(lens.sum())  # sync-ok: host-side bench data
+    if int(lens[0]) < 1:
+        raise ValueError(f"rl_batch: cannot split {num_tokens} tokens into {num_seqs} sequences")
+    width = int(lens.max())
+    valid = torch.arange(width) < lens[:, None]  # [B, T]
+    mask = valid & (torch.rand(num_seqs, width, generator=g) > 0.05)
+    mask[:, 0] = True
+    old = (torch.rand(num_seqs, width, generator=g) * 0.9 + 0.05).log()
+    logp = (old + 0.3 * torch.randn(num_seqs, width, generator=g)).clamp(max=-1e-3)
+    zero = torch.zeros(())
+    return RLBatch(
+        seq_lens=lens.tolist(),
+        valid=valid,
+        mask=mask,
+        logp=torch.where(valid, logp, zero),
+        old=torch.where(valid, old, zero),
+        adv=torch.randn(num_seqs, generator=g),
+    )
+
+
+def _packloss_plan(recipe: Any, b: RLBatch) -> Plan:
+    adv = b.adv[:, None].expand_as(b.valid)
+    return Plan(b.seq_lens, recipe.components(b.packed(b.mask)), old_logprobs=b.packed(b.old), advantages=b.packed(adv))
+
+
+class _OneProcess:
+    """TRL's accelerator on one process: gather and reduce are the identity."""
+
+    num_processes = 1
+    sync_gradients = True
+
+    @staticmethod
+    def gather(x: Tensor) -> Tensor:
+        return x
+
+    gather_for_metrics = gather
+
+    @staticmethod
+    def reduce(x: Tensor, reduction: str = "sum") -> Tensor:
+        return x
+
+
+_TRL_FIELDS = (
+    "loss_type", "beta", "importance_sampling_level", "top_entropy_quantile", "off_policy_mask_threshold",
+    "use_vllm", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "max_completion_length",
+    "entropy_coef", "use_adaptive_entropy",
+)  # fmt: skip  # what TRL 1.16's GRPOTrainer.__init__ copies from args and _compute_loss reads
+
+
+def _trl_config(b: RLBatch) -> SimpleNamespace:
+    from packloss.integrations.trl import TRL_DEFAULTS
+
+    fields = {"loss_type": "dapo", "epsilon_high": 0.28, "max_completion_length": b.valid.shape[1]}
+    fields |= {"per_device_train_batch_size": len(b.seq_lens), "steps_per_generation": 1}
+    return SimpleNamespace(**TRL_DEFAULTS | fields)
+
+
+def _trl_trainer(grpo_trainer: type, cfg: SimpleNamespace) -> Any:
+    """A bare ``GRPOTrainer`` with the attributes ``_compute_loss`` reads (TRL's ``__init__`` sets them)."""
+    from collections import defaultdict
+
+    trainer = object.__new__(grpo_trainer)
+    trainer.args = cfg
+    for name in _TRL_FIELDS:
+        setattr(trainer, name, getattr(cfg, name))
+    trainer.epsilon_low = cfg.epsilon
+    trainer.epsilon_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+    trainer.aux_loss_enabled = False
+    trainer._entropy_bonus_enabled = cfg.entropy_coef != 0.0 or cfg.use_adaptive_entropy
+    trainer.current_gradient_accumulation_steps = cfg.gradient_accumulation_steps
+    trainer.model = SimpleNamespace(training=True)
+    trainer.accelerator = _OneProcess()
+    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    return trainer
+
+
+def _trl_loss(trainer: Any, b: RLBatch, logp: Tensor) -> Tensor:
+    """TRL's ``_compute_loss`` on the padded batch, its forward a stub returning ``logp``."""
+    entropies = torch.zeros_like(b.logp)
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (logp, entropies, None)
+    rows, width = b.valid.shape
+    trainer._metrics["train"].clear()  # TRL appends its metrics on every call
+    inputs = {
+        "prompt_ids": torch.zeros(rows, 0, dtype=torch.long),
+        "prompt_mask": torch.zeros(rows, 0, dtype=torch.long),
+        "completion_ids": torch.zeros(rows, width, dtype=torch.long),
+        "completion_mask": b.valid.long(),
+        "tool_mask": torch.where(b.valid, b.mask, True).long(),  # TRL pads the tool mask with 1
+        "advantages": b.adv,
+        "num_items_in_batch": b.mask.sum(),
+        "old_per_token_logps": b.old,
+    }
+    return trainer._compute_loss(None, inputs)
+
+
+def _verl_config(loss_mode: str) -> Any:
+    from verl.trainer.config import RolloutCorrectionConfig
+    from verl.workers.config import ActorConfig, PolicyLossConfig
+
+    policy = PolicyLossConfig(loss_mode=loss_mode, rollout_correction=RolloutCorrectionConfig(rollout_is=None))
+    return ActorConfig(
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_mini_batch_size=1,
+        ppo_micro_batch_size_per_gpu=1,
+        loss_agg_mode="token-mean",
+        policy_loss=policy,
+        use_kl_loss=False,
+        entropy_coeff=0.0,
+        clip_ratio_low=0.2,
+        clip_ratio_high=0.28,
+        clip_ratio_c=3.0,
+    )
+
+
+def _verl_loss(loss_fn: Callable, cfg: Any, b: RLBatch, logp: Tensor) -> Tensor:
+    """verl's policy loss on the padded batch, as ``ppo_loss`` calls it on one rank and micro-batch."""
+    adv = b.adv[:, None].expand_as(b.valid).contiguous()
+    loss, _ = loss_fn(
+        old_log_prob=b.old, log_prob=logp, advantages=adv, response_mask=b.mask, loss_agg_mode="token-mean",
+        config=cfg, rollout_is_weights=None,
+    )  # fmt: skip
+    return loss
+
+
+@dataclass(frozen=True)
+class _RLCase:
+    """One comparison: the peer's loss of padded log-probs and the packloss recipe of the peer's config."""
+
+    name: str
+    peer: str
+    peer_loss: Callable[[Tensor], Tensor]
+    recipe: Any
+
+
+def _rl_cases(b: RLBatch, notes: list[str]) -> list[_RLCase]:
+    cases = []
+    grpo_trainer, why = _import("trl", "GRPOTrainer")
+    if grpo_trainer is None:
+        notes.append(f"rl/dapo·trl: {why}")
+    else:
+        from packloss.integrations.trl import from_trl
+
+        cfg = _trl_config(b)
+        trainer = _trl_trainer(grpo_trainer, cfg)
+        cases.append(_RLCase("rl/dapo·trl", "trl", lambda lp: _trl_loss(trainer, b, lp), from_trl(cfg)))
+    get_policy_loss_fn, why = _import("verl.trainer.ppo.core_algos", "get_policy_loss_fn")
+    if get_policy_loss_fn is None:
+        notes.append(f"rl/ppo_clip·verl, rl/dppo_tv·verl: {why}")
+        return cases
+    from packloss.integrations.verl import from_verl
+
+    for mode, label in (("vanilla", "ppo_clip"), ("dppo_tv", "dppo_tv")):
+        cfg = _verl_config(mode)
+        cfg.global_batch_info.update(dp_size=1, batch_num_tokens=int(b.mask.sum()), global_batch_size=len(b.seq_lens))
+        fn = get_policy_loss_fn(mode)
+        peer_loss = (lambda f, c: lambda lp: _verl_loss(f, c, b, lp))(fn, cfg)
+        cases.append(_RLCase(f"rl/{label}·verl", "verl", peer_loss, from_verl(cfg, response_length=b.valid.shape[1])))
+    return cases
+
+
+def _rl_case_rows(case: _RLCase, b: RLBatch, compiled: bool, warmup: int, repeat: int) -> list[dict]:
+    plan = _packloss_plan(case.recipe, b)
+    den = count_denominators([plan])
+    packed = b.packed(b.logp).clone().requires_grad_()  # [N]
+    padded = b.logp.clone().requires_grad_()  # [B, T]
+    fns: dict[str, Callable[[], Tensor]] = {"packloss_eager": lambda: native_step(plan, packed, den)}
+    if compiled:
+        step_fn = torch.compile(native_step)
+        fns["packloss_compiled"] = lambda: step_fn(plan, packed, den)
+    fns[case.peer] = lambda: case.peer_loss(padded)
+
+    # the values: every packloss variant against the peer, loss and d loss / d log-prob (members and not)
+    (peer_grad,) = torch.autograd.grad(expected := fns[case.peer](), padded)
+    errors = {}
+    for variant, fn in fns.items():
+        if variant == case.peer:
+            continue
+        (grad,) = torch.autograd.grad(loss := fn(), packed)
+        errors[variant] = max(
+            check(f"{case.name} {variant} loss", loss, expected, RL_RTOL),
+            check(f"{case.name} {variant} gradient", grad, peer_grad[b.valid], RL_RTOL),
+        )
+
+    def timed(fn: Callable[[], Tensor], leaf: Tensor) -> Callable[[], None]:
+        def step() -> None:
+            leaf.grad = None
+            fn().backward()
+
+        return step
+
+    steps = {v: timed(fn, padded if v == case.peer else packed) for v, fn in fns.items()}
+    times = _interleaved_ms(steps, "cpu", warmup, repeat)
+    shape = f"N={packed.numel()} B×T={b.valid.shape[0]}×{b.valid.shape[1]}"
+    rows = []
+    for variant, t in times.items():
+        row = {"comparison": case.name, "shape": shape, "variant": variant, "time_ms": t, "peak_bytes": None}
+        if variant != case.peer:
+            row[f"vs_{case.peer}"] = t / times[case.peer]
+            row["max_rel_err"] = errors[variant]
+        rows.append(row)
+    return rows
+
+
+def run_rl(num_tokens: int, num_seqs: int, compiled: bool, warmup: int, repeat: int, progress, notes) -> list[dict]:
+    """Every RL comparison whose peer imports (CPU; the peers' losses run where their inputs live)."""
+    b = rl_batch(num_tokens, num_seqs)
+    rows = []
+    for case in _rl_cases(b, notes):
+        progress(f"peers {case.name}")
+        rows.extend(_rl_case_rows(case, b, compiled, warmup, repeat))
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# Fused head and distillation from hidden states (each variant timed in a fresh process)
+# ---------------------------------------------------------------------------------------------------
+
+HEAD_VARIANTS = {"naive_eager": None, "packloss_fused": None, "cce_torch_compile": "cut_cross_entropy"}
+DISTILL_VARIANTS = {"naive_eager": None, "packloss_fused": None, "liger_compiled": "liger_kernel.chunked_loss"}
+
+
+def _head_inputs(n: int, h: int, v: int, device: str, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=g) * 0.5).to(device).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.05).to(device).requires_grad_()
+    return hidden, weight, torch.randint(0, v, (n,), generator=g).to(device)
+
+
+def head_fn(variant: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """``(hidden, weight, labels) -> log p(label) [N]`` of one head variant."""
+    if variant == "naive_eager":
+        return lambda hd, w, y: torch.log_softmax((hd @ w.T).float(), -1).gather(1, y[:, None]).squeeze(1)
+    if variant == "packloss_fused":
+        from packloss.vocab import linear_logprobs
+
+        return lambda hd, w, y: linear_logprobs(hd, w, y, return_entropy=False)[0]
+    if variant == "cce_torch_compile":
+        from cut_cross_entropy import linear_cross_entropy
+
+        return lambda hd, w, y: -linear_cross_entropy(hd, w, y, impl="torch_compile", reduction="none")
+    raise ValueError(f"head_fn: unknown variant {variant!r}")
+
+
+def _distill_inputs(n: int, h: int, v: int, device: str, seed: int) -> tuple[Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=g) * 0.5).to(device).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.05).to(device).requires_grad_()
+    t_hidden = (torch.randn(n, h, generator=g) * 0.5).to(device)
+    t_weight = (torch.randn(v, h, generator=g) * 0.05).to(device)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels = torch.where(torch.rand(n, generator=g) < 0.1, -100, labels).to(device)  # ~10% not members
+    return hidden, weight, t_hidden, t_weight, labels
+
+
+def _naive_jsd(hd: Tensor, w: Tensor, th: Tensor, tw: Tensor, y: Tensor) -> Tensor:
+    """``Σ_members JSD_β / #members`` with ``M = β P + (1 − β) Q`` (P teacher, Q student), materialised."""
+    log_q = torch.log_softmax((hd @ w.T).float(), -1)  # [N, V]
+    log_p = torch.log_softmax((th @ tw.T).float(), -1)  # [N, V]
+    log_m = torch.logaddexp(log_p + math.log(JSD_BETA), log_q + math.log(1 - JSD_BETA))
+    per_token = JSD_BETA * (log_p.exp() * (log_p - log_m)).sum(-1) + (1 - JSD_BETA) * (
+        log_q.exp() * (log_q - log_m)
+    ).sum(-1)  # [N]
+    members = y != -100
+    return torch.where(members, per_token, 0.0).sum() / members.sum().clamp(min=1)
+
+
+def distill_fn(variant: str) -> Callable[..., Tensor]:
+    """``(hidden, weight, teacher_hidden, teacher_weight, labels) -> loss`` (0-d) of one distill variant."""
+    if variant == "naive_eager":
+        return _naive_jsd
+    if variant == "packloss_fused":
+        from packloss.vocab import linear_distill
+
+        def fused(hd: Tensor, w: Tensor, th: Tensor, tw: Tensor, y: Tensor) -> Tensor:
+            members = y != -100
+            coef = members.float() / members.sum().clamp(min=1)
+            return linear_distill(
+                hd, w, teacher_hidden=th, teacher_weight=tw, kind="jsd", beta=JSD_BETA, loss_mask=members,
+                coefficients=coef,
+            )[0]  # fmt: skip
+
+        return fused
+    if variant == "liger_compiled":
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+        liger = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=JSD_BETA, compiled=True)
+        return lambda hd, w, th, tw, y: liger(hd, w, th, tw, y)
+    raise ValueError(f"distill_fn: unknown variant {variant!r}")
+
+
+def _values(kind: str, variant: str, n: int, h: int, v: int, device: str, seed: int) -> dict[str, Tensor]:
+    """One variant's output and gradients w.r.t. the student's hidden and weight."""
+    if kind == "head":
+        hd, w, y = _head_inputs(n, h, v, device, seed)
+        out = head_fn(variant)(hd, w, y)
+    else:
+        hd, w, th, tw, y = _distill_inputs(n, h, v, device, seed)
+        out = distill_fn(variant)(hd, w, th, tw, y)
+    g_h, g_w = torch.autograd.grad(out.sum(), [hd, w])
+    return {"value": out.detach(), "d hidden": g_h, "d weight": g_w}
+
+
+def check_fused(kind: str, variants: list[str], n: int, h: int, v: int, device: str, seed: int = 0) -> dict[str, float]:
+    """Every variant's values against ``naive_eager``'s (:class:`ValuesDisagree`); the max relative errors."""
+    expected = _values(kind, "naive_eager", n, h, v, device, seed)
+    errors = {}
+    for variant in variants:
+        if variant == "naive_eager":
+            continue
+        actual = _values(kind, variant, n, h, v, device, seed)
+        errors[variant] = max(check(f"{kind} {variant} {k}", actual[k], expected[k], HEAD_RTOL) for k in expected)
+    return errors
+
+
+def measure_fused(kind: str, variant: str, n: int, h: int, v: int, device: str, repeat: int, threads: int) -> dict:
+    """In a fresh process: peak memory of one forward+backward (after a warm-up that compiles) and the
+    median time of ``repeat`` more; ``value``: the summed output."""
+    torch.set_num_threads(threads)
+    inputs = _head_inputs(n, h, v, device, 0) if kind == "head" else _distill_inputs(n, h, v, device, 0)
+    fn = head_fn(variant) if kind == "head" else distill_fn(variant)
+    hidden, weight = inputs[0], inputs[1]
+    value: list[float] = []
+
+    def step() -> None:
+        out = fn(*inputs).sum()
+        torch.autograd.grad(out, [hidden, weight])
+        value[:] = [float(out.detach())]
+
+    if variant != "naive_eager":
+        step()  # compilation (peers' torch.compile, packloss's compiled chunks), outside the measured peak
+        release_freed_memory(device)
+    base = reset_peak(device)
+    step()
+    peak = peak_bytes(device) - base
+    return {"time_ms": time_ms(step, device, warmup=0, repeat=repeat), "peak_bytes": peak, "value": value[0]}
+
+
+def run_fused(kind: str, shape: tuple[int, int, int], check_shape: tuple[int, int, int], repeat: int, device: str,
+              progress, notes: list[str]) -> list[dict]:  # fmt: skip
+    """``head`` or ``distill``: the variants whose modules import, checked, then each in a fresh process."""
+    table = HEAD_VARIANTS if kind == "head" else DISTILL_VARIANTS
+    variants = []
+    for variant, module in table.items():
+        why = None if module is None else _import(module)[1]
+        if why is None:
+            variants.append(variant)
+        else:
+            notes.append(f"{kind}/{variant}: {why}")
+    progress(f"peers {kind} check")
+    errors = check_fused(kind, variants, *check_shape, device)
+    n, h, v = shape
+    rows = []
+    for variant in variants:
+        progress(f"peers {kind} {variant}")
+        kwargs = dict(kind=kind, variant=variant, n=n, h=h, v=v, device=device, repeat=repeat,
+                      threads=torch.get_num_threads())  # fmt: skip
+        out = run_fresh("packloss.tools.bench.peers:measure_fused", kwargs)
+        rows.append({"comparison": kind, "shape": f"N={n},H={h},V={v}", "variant": variant, **out})
+    naive = rows[0]  # naive_eager: always available
+    for row in rows[1:]:
+        row["time_vs_naive"] = row["time_ms"] / naive["time_ms"]
+        row["peak_vs_naive"] = row["peak_bytes"] / max(naive["peak_bytes"], 1)
+        row["max_rel_err"] = errors[row["variant"]]
+    by_variant = {r["variant"]: r for r in rows}
+    peer = next((r for r in rows if table[r["variant"]] is not None), None)
+    if peer is not None and "packloss_fused" in by_variant:
+        ours = by_variant["packloss_fused"]
+        ours[f"time_vs_{peer['variant']}"] = ours["time_ms"] / peer["time_ms"]
+        ours[f"peak_vs_{peer['variant']}"] = ours["peak_bytes"] / max(peer["peak_bytes"], 1)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# The suite
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """RL tokens / sequences / compiled column / warm-up / repeats; head and distill ``(N, H, V)`` timed
+    and checked, and their repeats."""
+
+    rl_tokens: int
+    rl_seqs: int
+    rl_compiled: bool
+    rl_warmup: int
+    rl_repeat: int
+    fused: tuple[int, int, int]
+    fused_check: tuple[int, int, int]
+    fused_repeat: int
+
+
+def sizes(quick: bool) -> Sizes:
+    """Default: 32,768 packed tokens in 32 sequences (≈ 62k padded elements), heads ``2048 × 512 × 32768``.
+    Quick: 2,048 tokens in 8 sequences, eager only; heads ``256 × 64 × 2048``."""
+    if quick:
+        return Sizes(2048, 8, False, 2, 10, (256, 64, 2048), (256, 64, 2048), 3)
+    return Sizes(32768, 32, True, 3, 50, (2048, 512, 32768), (512, 128, 8192), 3)
+
+
+def run(device: str, quick: bool, progress: Callable[[str], None] | None = None, *, size: Sizes | None = None) -> dict:
+    """Run the suite on CPU: ``{"rows": [...], "notes": [...], "sizes": {...}}`` (see the module doc).
+    ``--device cuda`` is refused: cut-cross-entropy's and Liger's GPU paths are Triton kernels, another
+    comparison than the CPU one this suite makes."""
+    if device != "cpu":
+        raise ValueError(f"packloss bench peers runs on CPU only, got --device {device}")
+    s = size or sizes(quick)
+    report = progress or (lambda _description: None)
+    notes: list[str] = []
+    rows = run_rl(s.rl_tokens, s.rl_seqs, s.rl_compiled, s.rl_warmup, s.rl_repeat, report, notes)
+    for kind in ("head", "distill"):
+        rows.extend(run_fused(kind, s.fused, s.fused_check, s.fused_repeat, device, report, notes))
+    return {
+        "rows": rows,
+        "notes": notes,
+        "sizes": vars(s) | {"rl_rtol": RL_RTOL, "fused_rtol": HEAD_RTOL, "jsd_beta": JSD_BETA},
+        "threads": torch.get_num_threads(),
+        "versions": _versions(),
+    }
+
+
+def _versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"torch": torch.__version__}
+    for name in ("trl", "verl", "cut_cross_entropy", "liger_kernel"):
+        from importlib import metadata
+
+        try:
+            out[name] = metadata.version(name.replace("_", "-"))
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
