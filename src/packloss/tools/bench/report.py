@@ -133,18 +133,30 @@ def print_tables(results: dict[str, dict], out: TextIO = sys.stdout) -> None:
         if "error" in result:
             _say(console, f"{title}: FAILED\n{result['error']}", out, style="bold red")
             continue
-        header, cells = table_rows(suite, result["rows"])
-        if console is None:
-            _plain_table(title, header, cells, out)
-        else:
-            table = Table(title=title)
-            for h in header:
-                table.add_column(h, justify="right")
-            for c in cells:
-                table.add_row(*c)
-            console.print(table)
+        for group_title, rows in _groups(title, result["rows"]):
+            header, cells = table_rows(suite, rows)
+            if console is None:
+                _plain_table(group_title, header, cells, out)
+            else:
+                table = Table(title=group_title)
+                for h in header:
+                    table.add_column(h, justify="right")
+                for c in cells:
+                    table.add_row(*c)
+                console.print(table)
         for archetype, figures in result.get("summary", {}).items():
             _say(console, f"{archetype}: " + ", ".join(f"{k} {v:.3g}" for k, v in figures.items()), out)
+        for note in result.get("notes", []):
+            _say(console, f"note: {note}", out)
+
+
+def _groups(title: str, rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """One table per ``comparison`` (the ``peers`` suite's rows carry one), else the suite's one table."""
+    if not any("comparison" in r for r in rows):
+        return [(title, rows)]
+    names = dict.fromkeys(r.get("comparison") for r in rows)
+    return [(f"{title}: {name}", [{k: v for k, v in r.items() if k != "comparison"} for r in rows
+                                  if r.get("comparison") == name]) for name in names]  # fmt: skip
 
 
 @contextmanager
@@ -229,7 +241,7 @@ def _plot_loss_times(rows: list[dict], path: Path) -> None:
 def _plot_memory(suite: str, rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
-    labels = [f"{r['shape']}\n{r['variant']}" for r in rows]
+    labels = [f"{r['comparison'] + ' ' if 'comparison' in r else ''}{r['shape']}\n{r['variant']}" for r in rows]
     mib = [r["peak_bytes"] / 2**20 for r in rows]
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows)), 4.5))
     ax.bar(range(len(rows)), mib, color="tab:blue")
