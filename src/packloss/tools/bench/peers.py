@@ -119,14 +119,17 @@ class RLBatch:
 
 
 def rl_batch(num_tokens: int, num_seqs: int, seed: int = 0) -> RLBatch:
-    """Lengths uniform in ``[0.1, 1.9] × mean`` summing to ``num_tokens`` (padded width ≈ 1.9 × mean);
-    ``log π_old`` in ``log [0.05, 0.95]``, ``log π_θ`` 0.3-normal around it, unit-normal advantages."""
+    """Lengths proportional to draws uniform in ``[0.1, 1.9]``, summing to ``num_tokens`` (padded width
+    ≈ 1.9 × the mean); ``log π_old`` in ``log [0.05, 0.95]``, ``log π_θ`` 0.3-normal around it, unit-normal
+    advantages."""
+    if not 1 <= num_seqs <= num_tokens:
+        raise ValueError(f"rl_batch: need 1 <= num_seqs <= num_tokens, got {num_seqs} and {num_tokens}")
     g = torch.Generator().manual_seed(seed)
-    mean = num_tokens / num_seqs
-    lens = (mean * (0.1 + 1.8 * torch.rand(num_seqs, generator=g))).round().clamp(min=1).long()
-    lens[0] += num_tokens - int(lens.sum())  # sync-ok: host-side bench data
-    if int(lens[0]) < 1:
-        raise ValueError(f"rl_batch: cannot split {num_tokens} tokens into {num_seqs} sequences")
+    draws = 0.1 + 1.8 * torch.rand(num_seqs, generator=g)
+    lens = (draws / draws.sum() * num_tokens).floor().long().clamp(min=1)
+    while int(lens.sum()) != num_tokens:  # sync-ok: host-side bench data; < num_seqs rounds
+        i = int(lens.argmin() if int(lens.sum()) < num_tokens else lens.argmax())
+        lens[i] += 1 if int(lens.sum()) < num_tokens else -1
     width = int(lens.max())
     valid = torch.arange(width) < lens[:, None]  # [B, T]
     mask = valid & (torch.rand(num_seqs, width, generator=g) > 0.05)
