@@ -68,7 +68,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the benchmark suites: tables, results.json and plots",
         description="Time the loss paths against their references (and, for distill/head, their peak memory).",
     )
-    bench.add_argument("suite", nargs="?", default="all", choices=(*SUITES, "all"), help="suite to run (default all)")
+    bench.add_argument(
+        "suite",
+        nargs="?",
+        default="all",
+        choices=(*SUITES, "peers", "all"),
+        help="suite to run (default all: loss, distill, head); peers: the same data through TRL, verl, "
+        "cut-cross-entropy and Liger where installed (CPU)",
+    )
     bench.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     bench.add_argument("--quick", action="store_true", help="small sizes and few repeats (about a minute on 2 cores)")
     bench.add_argument("--out", type=Path, default=Path("bench-out"), help="output folder (default bench-out)")
