@@ -120,7 +120,9 @@ def dppo_kl_paper(tr: DPPOKL, trn, denominator, a):
     """DPPO-Binary-KL: KL(Bern(p_old) ‖ Bern(p)) of the sampled token; a token drops only past the
     threshold in the direction its advantage pushes."""
     p, p_old = trn.detach().exp(), denominator.exp()
-    kl = p_old * (p_old / p).log() + (1 - p_old) * ((1 - p_old) / (1 - p)).log()
+    # with verl's 1e-8 guard (documented on DPPOKL): without it p = 1 (trn = 0, which draw_bin makes)
+    # gives an infinite divergence where verl's and packloss's are finite
+    kl = p_old * (p_old / p).log() + (1 - p_old) * ((1 - p_old + 1e-8) / (1 - p + 1e-8)).log()
     keep = torch.where(a > 0, (kl <= tr.high) | (p <= p_old), (kl <= tr.low) | (p >= p_old))
     return keep * (trn - denominator).exp().clamp(max=tr.ratio_cap).detach() * a * trn
 

@@ -204,6 +204,6 @@ def test_vocab_parallel_options() -> None:
     for bad in (-1, 2.0, True):
         with pytest.raises(ValueError, match="vocab_start"):
             VocabParallel(object(), vocab_start=bad)
-    assert VocabParallel(object(), vocab_start=7).start(5) == 7
+    assert VocabParallel(object(), vocab_start=7).start(5, torch.device("cpu")) == 7
     with pytest.raises(AttributeError):
         VocabParallel(object()).vocab_start = 3  # frozen
