@@ -299,6 +299,8 @@ def _rl_variants(case: _RLCase, b: RLBatch, compiled: bool) -> tuple[dict[str, C
     if compiled:
         step_fn = torch.compile(native_step)
         fns["packloss_compiled"] = lambda: step_fn(plan, packed, den)
+        peer_fn = torch.compile(case.peer_loss)  # the peer's own loss math under torch.compile too
+        fns[f"{case.peer}_compiled"] = lambda: peer_fn(padded)
     fns[case.peer] = lambda: case.peer_loss(padded)
     return fns, packed, padded
 
@@ -314,7 +316,9 @@ def _rl_check(case: _RLCase, b: RLBatch, compiled: bool, exact: bool) -> dict[st
     errors = {}
     for variant, fn in fns.items():
         what = f"{case.name} {variant} ({b.logp.dtype})"
-        (grad,) = torch.autograd.grad(loss := fn(), packed)
+        padded_leaf = variant.startswith(case.peer)  # the peer's compiled loss, on the padded layout
+        (grad,) = torch.autograd.grad(loss := fn(), padded if padded_leaf else packed)
+        grad = grad[b.valid] if padded_leaf else grad
         grad_err = check(f"{what} gradient", grad, peer_grad[b.valid], rtol)
         if exact:
             loss_err = check(f"{what} loss", loss, expected, rtol)
@@ -337,7 +341,7 @@ def _rl_case_rows(case: _RLCase, case64: _RLCase, b: RLBatch, compiled: bool, wa
 
         return step
 
-    steps = {v: timed(fn, padded if v == case.peer else packed) for v, fn in fns.items()}
+    steps = {v: timed(fn, padded if v.startswith(case.peer) else packed) for v, fn in fns.items()}
     times = _interleaved_ms(steps, "cpu", warmup, repeat)
     shape = f"N={packed.numel()} B×T={b.valid.shape[0]}×{b.valid.shape[1]}"
     rows = []
@@ -346,6 +350,8 @@ def _rl_case_rows(case: _RLCase, case64: _RLCase, b: RLBatch, compiled: bool, wa
         if variant != case.peer:
             row[f"vs_{case.peer}"] = t / times[case.peer]
             row["loss_rel_diff"], row["grad_rel_err"] = errors[variant]
+        if variant == "packloss_compiled":
+            row["vs_peer_compiled"] = t / times[f"{case.peer}_compiled"]
         rows.append(row)
     return rows
 
