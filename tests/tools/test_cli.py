@@ -61,7 +61,8 @@ def test_bench_json_schema(quick_run):
     assert "error" not in result
     sched = loss_suite.schedule(quick=True)
     rows = result["rows"]
-    expected = len(loss_suite.ARCHETYPES) * len(sched.seq_counts) * 2 + len(sched.seq_counts)  # + compiled hot
+    # reference, compat and eager for every archetype and packing, + compiled hot
+    expected = len(loss_suite.ARCHETYPES) * len(sched.seq_counts) * 3 + len(sched.seq_counts)
     assert len(rows) == expected
     for row in rows:
         for key, kind in ROW_FIELDS.items():
@@ -86,6 +87,12 @@ def test_bench_native_rows_are_sync_free_and_flat_in_op_count(quick_run):
         eager = [r for r in rows if (r["archetype"], r["variant"]) == (archetype, "eager")]
         assert {r["syncs"] for r in eager} == {0}
         assert len({r["aten_ops"] for r in eager}) == 1  # independent of sequences per bin
+        # prime-rl's list API over consecutive views: no sync, no per-sequence op (no cat of the lists).
+        # It builds its layout inside the call, where repeat_interleave of one length adds a view and
+        # an expand: flat from 2 sequences on.
+        compat = [r for r in rows if (r["archetype"], r["variant"]) == (archetype, "compat")]
+        assert {r["syncs"] for r in compat} == {0}
+        assert len({r["aten_ops"] for r in compat if r["num_seqs"] > 1}) == 1, [r["aten_ops"] for r in compat]
 
 
 def test_bench_op_counts_equal_the_counters_own(quick_run):

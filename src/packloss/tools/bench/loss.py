@@ -6,6 +6,9 @@ and each packing density (sequences per bin), three implementations run on the s
 * ``reference`` — :func:`packloss.testing.reference.compute_loss`, the per-sequence loop a trainer
   called before prime-rl PR #2951, over per-sequence views of the bin's streams;
 * ``eager`` — the native engine, ``compute_loss(plan, Outputs(logprobs=trn), denominators)``;
+* ``compat`` — :func:`packloss.compat.prime_rl.compute_loss`, prime-rl's list API on packloss's engine,
+  over the same per-sequence views (consecutive views of one tensor, as a trainer's split of one
+  packed row): its time at 256 sequences ÷ at 1 shows whether the lists cost anything per sequence;
 * ``compiled`` — the same call under ``torch.compile`` (forward compiled by dynamo/inductor, backward
   by AOTAutograd). ``first_call_s`` is the wall time of the first forward+backward at that packing
   (compilation, or a recompilation when a guard failed, included); ``graphs`` is the number of
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from packloss.compat import prime_rl
 from packloss.compat.prime_rl import DefaultLossConfig
 from packloss.core.engine import compute_loss
 from packloss.core.normalize import StepDenominators, count_denominators
@@ -46,7 +50,7 @@ from packloss.tools.bench._measure import time_ms
 __all__ = ["ARCHETYPES", "VARIANTS", "Schedule", "schedule", "bin_for", "NativeBin", "native_bin", "native_step", "run"]
 
 ARCHETYPES = ("hot", "opd", "echo", "sdft")
-VARIANTS = ("reference", "eager", "compiled")
+VARIANTS = ("reference", "compat", "eager", "compiled")
 
 
 @dataclass(frozen=True)
@@ -108,6 +112,23 @@ def _reference_step(streams: Streams) -> Callable[[], None]:
     def step() -> None:
         trn.grad = None
         loss, _ = reference.compute_loss(list(torch.split(trn, seq_lens)), **lists, rl_loss_fn=rl_loss_fn, **scales)
+        loss.backward()
+
+    return step
+
+
+def _compat_step(streams: Streams) -> Callable[[], None]:
+    """Forward+backward of ``packloss.compat.prime_rl.compute_loss`` over per-sequence views, split
+    inside the step as for the reference."""
+    seq_lens = list(streams.seq_lens)
+    lists = {k: v for k, v in streams.lists().items() if k != "trainer_logprobs"}
+    scales = streams.integer_scales()
+    rl_loss_fn = prime_rl.setup_rl_loss_fn(DefaultLossConfig())
+    trn = streams.trainer_logprobs
+
+    def step() -> None:
+        trn.grad = None
+        loss, _ = prime_rl.compute_loss(list(torch.split(trn, seq_lens)), **lists, rl_loss_fn=rl_loss_fn, **scales)
         loss.backward()
 
     return step
@@ -185,7 +206,7 @@ def _first_call_s(step: Callable[[], None], device: str) -> float:
 def _measure_archetype(
     archetype: str, device: str, p: Schedule, compiled: _Compiled | None, progress: Callable[[str], None]
 ) -> list[dict]:
-    """Reference, eager and (optionally) compiled rows of one archetype at every packing of the schedule."""
+    """Reference, compat, eager and (optionally) compiled rows of one archetype at every packing of the schedule."""
     bins = {s: bin_for(archetype, p.num_tokens, s, device) for s in p.seq_counts}
     rows: dict[tuple[str, int], dict] = {}
 
@@ -203,6 +224,13 @@ def _measure_archetype(
     for s, t in _interleaved_ms(eager, device, p.warmup, p.repeat).items():
         ops, syncs = counts[s]
         rows["eager", s] = _row(archetype, bins[s], "eager", t, aten_ops=ops, syncs=syncs)
+
+    progress(f"loss {archetype} compat")
+    compat = {s: _compat_step(streams) for s, streams in bins.items()}
+    compat_counts = {s: _count_ops(step) for s, step in compat.items()}
+    for s, t in _interleaved_ms(compat, device, p.warmup, p.repeat).items():
+        ops, syncs = compat_counts[s]
+        rows["compat", s] = _row(archetype, bins[s], "compat", t, aten_ops=ops, syncs=syncs)
 
     if compiled is not None:
         steps = {s: _native_step(compiled.fn, b) for s, b in native.items()}
@@ -227,7 +255,7 @@ def summarise(rows: list[dict]) -> dict[str, dict[str, float]]:
         mine = [r for r in rows if r["archetype"] == archetype]
         s_min, s_max = min(r["num_seqs"] for r in mine), max(r["num_seqs"] for r in mine)
         times = {(r["variant"], r["num_seqs"]): r["time_ms"] for r in mine}
-        for variant in ("eager", "compiled"):
+        for variant in ("compat", "eager", "compiled"):
             if (variant, s_max) in times and (variant, s_min) in times:
                 out.setdefault(archetype, {})[f"{variant}_speedup_at_{s_max}"] = (
                     times[("reference", s_max)] / times[(variant, s_max)]
