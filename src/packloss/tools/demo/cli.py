@@ -106,6 +106,11 @@ def _worker(rank: int, world: int, args: argparse.Namespace, port: int) -> None:
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         _train(Dist(rank, world, device), args)
+        if world > 1:
+            # Rank 0 evaluates and writes after the last step; the others wait for it here, so no rank
+            # tears its gloo threads down while a peer may still talk to it (a CI run once saw rank 1
+            # abort at exit with "terminate called without an active exception").
+            dist.barrier()
     finally:
         if world > 1:
             dist.destroy_process_group()
