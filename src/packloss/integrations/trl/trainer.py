@@ -236,7 +236,7 @@ class PacklossGRPOTrainer(GRPOTrainer):
         loss = result.loss * self.accelerator.num_processes
         if self.aux_loss_enabled:  # the MoE load-balancing loss, as TRL adds it
             loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
-            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())  # noqa: E501  # sync-ok: TRL logging
         self._log_packloss_metrics(result, plan, outputs, mode)
         return loss
 
@@ -298,14 +298,14 @@ class PacklossGRPOTrainer(GRPOTrainer):
 
         pairs = torch.stack([torch.stack([s.to(torch.float64), c.to(torch.float64)]) for s, c in means.values()])
         totals = self.accelerator.reduce(pairs, reduction="sum")  # [K, 2]
-        logged = dict(zip(means, (totals[:, 0] / totals[:, 1].clamp_min(1)).tolist(), strict=True))
+        logged = dict(zip(means, (totals[:, 0] / totals[:, 1].clamp_min(1)).tolist(), strict=True))  # noqa: E501  # sync-ok: metric log
         if extremes:
             local = torch.stack([value.to(torch.float64) for value, _ in extremes.values()])  # [E]
             gathered = self.accelerator.gather(local).view(-1, len(extremes))  # [W, E]
             lowest = torch.tensor([low for _, low in extremes.values()], device=gathered.device)
             merged = torch.where(lowest, gathered.amin(0), gathered.amax(0))
             merged = torch.where(torch.isinf(merged), float("nan"), merged)  # no sequence with members
-            logged.update(zip(extremes, merged.tolist(), strict=True))
+            logged.update(zip(extremes, merged.tolist(), strict=True))  # sync-ok: metric log
         for name, value in logged.items():
             self._metrics[mode][name].append(value)
         if self._entropy_bonus_enabled and mode == "train" and self.accelerator.sync_gradients:

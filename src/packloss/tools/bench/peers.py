@@ -138,7 +138,7 @@ def rl_batch(num_tokens: int, num_seqs: int, seed: int = 0) -> RLBatch:
     logp = (old + 0.3 * torch.randn(num_seqs, width, generator=g)).clamp(max=-1e-3)
     zero = torch.zeros(())
     return RLBatch(
-        seq_lens=lens.tolist(),
+        seq_lens=lens.tolist(),  # sync-ok: bench data setup, outside the timed step
         valid=valid,
         mask=mask,
         logp=torch.where(valid, logp, zero),
