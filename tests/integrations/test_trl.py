@@ -1,13 +1,14 @@
 """packloss.integrations.trl: ``from_trl(GRPOConfig)`` against TRL 1.16's own code.
 
-TRL's side runs ``GRPOTrainer._compute_loss`` on a bare trainer (``object.__new__``, the attributes
-``__init__`` copies from the config, a stub forward returning the given per-token log-probs) and its
-vLLM importance-sampling ratio is computed by the block of ``_generate_and_score_completions`` that
-computes it (read with ``inspect`` and run as is). Data: random float64 in TRL's padded ``[R, T]``
-layout with ragged completions, tool-masked tokens and rows without any loss token. packloss's side
-packs each row's tokens (``seq_lens`` = completion lengths) and runs ``compute_loss``. Loss and
-gradient w.r.t. the per-token log-probs agree within 1e-10 relative (to the largest magnitude of
-TRL's value); where TRL normalises differently the exact relation is asserted, and that they differ.
+TRL's side runs ``GRPOTrainer._compute_loss`` on a bare trainer (:mod:`packloss.testing.trl`:
+``object.__new__``, the attributes ``__init__`` copies from the config, a stub forward returning the
+given per-token log-probs) and its vLLM importance-sampling ratio is computed by the block of
+``_generate_and_score_completions`` that computes it (read with ``inspect`` and run as is). Data:
+random float64 in TRL's padded ``[R, T]`` layout with ragged completions, tool-masked tokens and rows
+without any loss token. packloss's side packs each row's tokens (``seq_lens`` = completion lengths)
+and runs ``compute_loss``. Loss and gradient w.r.t. the per-token log-probs agree within 1e-10
+relative (to the largest magnitude of TRL's value); where TRL normalises differently the exact
+relation is asserted, and that they differ.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import inspect
 import math
 import textwrap
 import zlib
-from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -51,6 +51,7 @@ from packloss.integrations.trl import (
     mapping_table,
 )
 from packloss.testing import OpCounter
+from packloss.testing.trl import bare_grpo_trainer, padded_inputs, stub_forward, trl_config
 
 F64 = torch.float64
 RTOL = 1e-10
@@ -72,9 +73,8 @@ def config(
     loss_type: str, level: str, beta: str, is_case: str, rows: int, accumulation: int, **extra
 ) -> SimpleNamespace:
     """A duck-typed GRPOConfig: TRL 1.16's defaults with the case's options."""
-    cfg = dict(TRL_DEFAULTS)
     coef, bias_corrected = BETAS[beta]
-    cfg.update(
+    cfg = dict(
         loss_type=loss_type,
         importance_sampling_level=level,
         beta=coef,
@@ -96,61 +96,12 @@ def config(
             vllm_importance_sampling_clip_max=high,
         )
     cfg.update(extra)
-    return SimpleNamespace(**cfg)
+    return trl_config(**cfg)
 
 
 # ---------------------------------------------------------------------------------------------------
 # TRL's side
 # ---------------------------------------------------------------------------------------------------
-
-
-class _Accelerator:
-    """One process: gather and reduce are the identity."""
-
-    num_processes = 1
-    sync_gradients = True
-
-    @staticmethod
-    def gather(x):
-        return x
-
-    gather_for_metrics = gather
-
-    @staticmethod
-    def reduce(x, reduction="sum"):
-        return x
-
-
-def trl_trainer(cfg: SimpleNamespace) -> GRPOTrainer:
-    """A bare GRPOTrainer with the attributes ``_compute_loss`` reads, set as TRL 1.16's ``__init__``
-    sets them from ``args`` (``epsilon_high`` falls back to ``epsilon`` there)."""
-    trainer = object.__new__(GRPOTrainer)
-    trainer.args = cfg
-    for name in (
-        "loss_type",
-        "beta",
-        "importance_sampling_level",
-        "top_entropy_quantile",
-        "off_policy_mask_threshold",
-        "use_vllm",
-        "vllm_importance_sampling_correction",
-        "vllm_importance_sampling_mode",
-        "vllm_importance_sampling_clip_max",
-        "vllm_importance_sampling_clip_min",
-        "max_completion_length",
-        "entropy_coef",
-        "use_adaptive_entropy",
-    ):
-        setattr(trainer, name, getattr(cfg, name))
-    trainer.epsilon_low = cfg.epsilon
-    trainer.epsilon_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
-    trainer.aux_loss_enabled = False
-    trainer._entropy_bonus_enabled = cfg.entropy_coef != 0.0 or cfg.use_adaptive_entropy
-    trainer.current_gradient_accumulation_steps = cfg.gradient_accumulation_steps
-    trainer.model = SimpleNamespace(training=True)
-    trainer.accelerator = _Accelerator()
-    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-    return trainer
 
 
 def _is_ratio_block() -> str:
@@ -183,35 +134,39 @@ def trl_is_ratio(trainer: GRPOTrainer, b: SimpleNamespace) -> torch.Tensor | Non
     return scope["vllm_importance_sampling_ratio"]
 
 
-def trl_loss(cfg: SimpleNamespace, b: SimpleNamespace, micro_batches: list[slice], old_given: bool = True):
-    """Σ over the micro-batches of ``GRPOTrainer._compute_loss`` (what TRL backpropagates per step)."""
-    trainer = trl_trainer(cfg)
+def compute(
+    trainer: GRPOTrainer,
+    cfg: SimpleNamespace,
+    b: SimpleNamespace,
+    micro_batches: list[slice],
+    old_given: bool = True,
+    mode: str = "train",
+) -> torch.Tensor:
+    """Σ over the micro-batches of ``trainer._compute_loss`` on the batch ``b`` (what TRL backpropagates
+    per step); ``trainer``: a bare TRL trainer or a subclass's (test_trl_trainer)."""
+    trainer.model.training = mode == "train"
     ratio = trl_is_ratio(trainer, b)
     num_items = b.completion_mask.mul(b.tool_mask).sum()  # the generation batch's loss tokens
     total = torch.zeros((), dtype=F64)
     for rows in micro_batches:
-        logps, entropies = b.logps[rows], b.entropies[rows]
-        trainer._get_per_token_logps_and_entropies = lambda *a, _l=logps, _e=entropies, **k: (_l, _e, None)
-        n = b.logps[rows].shape[0]
-        inputs = {
-            "prompt_ids": torch.zeros(n, 0, dtype=torch.long),
-            "prompt_mask": torch.zeros(n, 0, dtype=torch.long),
-            "completion_ids": torch.zeros(n, T, dtype=torch.long),
-            "completion_mask": b.completion_mask[rows],
-            "tool_mask": b.tool_mask[rows],
-            "advantages": b.adv[rows],
-            "num_items_in_batch": num_items,
-        }
+        stub_forward(trainer, b.logps[rows], b.entropies[rows])
+        streams = {}
         if old_given:
-            inputs["old_per_token_logps"] = b.old[rows]
+            streams["old_per_token_logps"] = b.old[rows]
         if cfg.use_vllm:
-            inputs["sampling_per_token_logps"] = b.sampling[rows]
+            streams["sampling_per_token_logps"] = b.sampling[rows]
         if ratio is not None:
-            inputs["importance_sampling_ratio"] = ratio[rows]
+            streams["importance_sampling_ratio"] = ratio[rows]
         if cfg.beta != 0:
-            inputs["ref_per_token_logps"] = b.ref[rows]
+            streams["ref_per_token_logps"] = b.ref[rows]
+        inputs = padded_inputs(b.completion_mask[rows], b.tool_mask[rows], b.adv[rows], num_items, **streams)
         total = total + trainer._compute_loss(None, inputs)
     return total
+
+
+def trl_loss(cfg: SimpleNamespace, b: SimpleNamespace, micro_batches: list[slice], old_given: bool = True):
+    """TRL's own loss of the step: :func:`compute` on a bare ``GRPOTrainer``."""
+    return compute(bare_grpo_trainer(GRPOTrainer, cfg), cfg, b, micro_batches, old_given)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -34,7 +34,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 from trl import GRPOConfig, GRPOTrainer
 
 from packloss.integrations.trl import LOSS_TYPES, PacklossGRPOTrainer
-from tests.integrations.test_trl import F64, T, assert_close, cases, config, padded_batch, trl_is_ratio, trl_trainer
+from packloss.testing.trl import bare_grpo_trainer
+from tests.integrations.test_trl import F64, assert_close, cases, compute, config, padded_batch
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations" / "trl.md"
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(9)]
@@ -216,9 +217,10 @@ def test_options_are_checked_before_the_models_load(tiny):
 
 
 def bare_trl_trainer(cfg, world: int = 1) -> GRPOTrainer:
-    """test_trl's bare GRPOTrainer; ``world``: the number of processes it believes it runs on (its
-    gather and reduce stay the identity, so each rank sees the same data)."""
-    trainer = trl_trainer(cfg)
+    """A bare GRPOTrainer (:func:`~packloss.testing.trl.bare_grpo_trainer`); ``world``: the number of
+    processes it believes it runs on (its gather and reduce stay the identity, so each rank sees the
+    same data)."""
+    trainer = bare_grpo_trainer(GRPOTrainer, cfg)
     trainer.accelerator.num_processes = world
     return trainer
 
@@ -229,37 +231,6 @@ def packloss_trainer(cfg, world: int = 1) -> PacklossGRPOTrainer:
     trainer.__dict__.update(bare_trl_trainer(cfg, world).__dict__)
     trainer._init_packloss("trl")
     return trainer
-
-
-def compute(trainer, cfg, b, micro_batches, old_given=True, mode="train"):
-    """Σ over the micro-batches of ``trainer._compute_loss`` on TRL's batch (as test_trl.trl_loss)."""
-    trainer.model.training = mode == "train"
-    ratio = trl_is_ratio(trainer, b)
-    num_items = b.completion_mask.mul(b.tool_mask).sum()
-    total = torch.zeros((), dtype=F64)
-    for rows in micro_batches:
-        logps, entropies = b.logps[rows], b.entropies[rows]
-        trainer._get_per_token_logps_and_entropies = lambda *a, _l=logps, _e=entropies, **k: (_l, _e, None)
-        n = logps.shape[0]
-        inputs = {
-            "prompt_ids": torch.zeros(n, 0, dtype=torch.long),
-            "prompt_mask": torch.zeros(n, 0, dtype=torch.long),
-            "completion_ids": torch.zeros(n, T, dtype=torch.long),
-            "completion_mask": b.completion_mask[rows],
-            "tool_mask": b.tool_mask[rows],
-            "advantages": b.adv[rows],
-            "num_items_in_batch": num_items,
-        }
-        if old_given:
-            inputs["old_per_token_logps"] = b.old[rows]
-        if cfg.use_vllm:
-            inputs["sampling_per_token_logps"] = b.sampling[rows]
-        if ratio is not None:
-            inputs["importance_sampling_ratio"] = ratio[rows]
-        if cfg.beta != 0:
-            inputs["ref_per_token_logps"] = b.ref[rows]
-        total = total + trainer._compute_loss(None, inputs)
-    return total
 
 
 def assert_same_loss_and_metrics(cfg, b, micro_batches, old_given=True, mode="train", world=1):

@@ -12,8 +12,9 @@ note in ``result["notes"]`` (and no row). Ratios are packloss ÷ peer, measured 
   eager mode as their trainers run them:
 
   - ``rl/dapo·trl``: TRL 1.16's ``GRPOTrainer._compute_loss`` (``loss_type="dapo"``, token-level PPO
-    clip, token mean) on a bare trainer whose forward is a stub returning the given log-probs (the
-    approach of ``tests/integrations/test_trl.py``); TRL's metric logging is part of its call;
+    clip, token mean) on a bare trainer whose forward is a stub returning the given log-probs
+    (:mod:`packloss.testing.trl`, shared with ``tests/integrations/test_trl.py``); TRL's metric logging is
+    part of its call;
   - ``rl/ppo_clip·verl``: verl 0.9.1's ``get_policy_loss_fn("vanilla")`` (dual-clip PPO, token-mean);
   - ``rl/dppo_tv·verl``: ``get_policy_loss_fn("dppo_tv")`` (token-mean).
 
@@ -57,6 +58,7 @@ from torch import Tensor
 
 from packloss.core.normalize import count_denominators
 from packloss.core.plan import Plan
+from packloss.testing.trl import bare_grpo_trainer, padded_inputs, stub_forward, trl_config
 from packloss.tools.bench._measure import peak_bytes, release_freed_memory, reset_peak, run_fresh, time_ms
 from packloss.tools.bench.loss import _interleaved_ms, native_step
 
@@ -152,74 +154,18 @@ def _packloss_plan(recipe: Any, b: RLBatch) -> Plan:
     return Plan(b.seq_lens, recipe.components(b.packed(b.mask)), old_logprobs=b.packed(b.old), advantages=b.packed(adv))
 
 
-class _OneProcess:
-    """TRL's accelerator on one process: gather and reduce are the identity."""
-
-    num_processes = 1
-    sync_gradients = True
-
-    @staticmethod
-    def gather(x: Tensor) -> Tensor:
-        return x
-
-    gather_for_metrics = gather
-
-    @staticmethod
-    def reduce(x: Tensor, reduction: str = "sum") -> Tensor:
-        return x
-
-
-_TRL_FIELDS = (
-    "loss_type", "beta", "importance_sampling_level", "top_entropy_quantile", "off_policy_mask_threshold",
-    "use_vllm", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
-    "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "max_completion_length",
-    "entropy_coef", "use_adaptive_entropy",
-)  # fmt: skip  # what TRL 1.16's GRPOTrainer.__init__ copies from args and _compute_loss reads
-
-
 def _trl_config(b: RLBatch) -> SimpleNamespace:
-    from packloss.integrations.trl import TRL_DEFAULTS
-
     fields = {"loss_type": "dapo", "epsilon_high": 0.28, "max_completion_length": b.valid.shape[1]}
     fields |= {"per_device_train_batch_size": len(b.seq_lens), "steps_per_generation": 1}
-    return SimpleNamespace(**TRL_DEFAULTS | fields)
-
-
-def _trl_trainer(grpo_trainer: type, cfg: SimpleNamespace) -> Any:
-    """A bare ``GRPOTrainer`` with the attributes ``_compute_loss`` reads (TRL's ``__init__`` sets them)."""
-    from collections import defaultdict
-
-    trainer = object.__new__(grpo_trainer)
-    trainer.args = cfg
-    for name in _TRL_FIELDS:
-        setattr(trainer, name, getattr(cfg, name))
-    trainer.epsilon_low = cfg.epsilon
-    trainer.epsilon_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
-    trainer.aux_loss_enabled = False
-    trainer._entropy_bonus_enabled = cfg.entropy_coef != 0.0 or cfg.use_adaptive_entropy
-    trainer.current_gradient_accumulation_steps = cfg.gradient_accumulation_steps
-    trainer.model = SimpleNamespace(training=True)
-    trainer.accelerator = _OneProcess()
-    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
-    return trainer
+    return trl_config(**fields)
 
 
 def _trl_loss(trainer: Any, b: RLBatch, logp: Tensor) -> Tensor:
     """TRL's ``_compute_loss`` on the padded batch, its forward a stub returning ``logp``."""
-    entropies = torch.zeros_like(b.logp)
-    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (logp, entropies, None)
-    rows, width = b.valid.shape
+    stub_forward(trainer, logp, torch.zeros_like(b.logp))
     trainer._metrics["train"].clear()  # TRL appends its metrics on every call
-    inputs = {
-        "prompt_ids": torch.zeros(rows, 0, dtype=torch.long),
-        "prompt_mask": torch.zeros(rows, 0, dtype=torch.long),
-        "completion_ids": torch.zeros(rows, width, dtype=torch.long),
-        "completion_mask": b.valid.long(),
-        "tool_mask": torch.where(b.valid, b.mask, True).long(),  # TRL pads the tool mask with 1
-        "advantages": b.adv,
-        "num_items_in_batch": b.mask.sum(),
-        "old_per_token_logps": b.old,
-    }
+    tool_mask = torch.where(b.valid, b.mask, True).long()  # TRL pads the tool mask with 1
+    inputs = padded_inputs(b.valid.long(), tool_mask, b.adv, b.mask.sum(), old_per_token_logps=b.old)
     return trainer._compute_loss(None, inputs)
 
 
@@ -272,7 +218,7 @@ def _rl_cases(b: RLBatch, notes: list[str]) -> list[_RLCase]:
         from packloss.integrations.trl import from_trl
 
         cfg = _trl_config(b)
-        trainer = _trl_trainer(grpo_trainer, cfg)
+        trainer = bare_grpo_trainer(grpo_trainer, cfg)
         cases.append(_RLCase("rl/dapo·trl", "trl", lambda lp: _trl_loss(trainer, b, lp), from_trl(cfg)))
     get_policy_loss_fn, why = _import("verl.trainer.ppo.core_algos", "get_policy_loss_fn")
     if get_policy_loss_fn is None:

@@ -1,0 +1,95 @@
+"""TRL 1.16's ``GRPOTrainer._compute_loss`` without TRL's ``__init__`` (no model, no generation).
+
+The tests in ``tests/integrations/test_trl*.py`` and ``packloss bench peers`` run TRL's own loss on a
+padded batch they build; they share this one copy of what ``__init__`` would have set, so that a TRL
+upgrade that reads one more attribute is fixed in one place. Imports neither ``trl`` nor a model: the
+caller passes the ``GRPOTrainer`` class (the bench skips TRL when it cannot be imported).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from packloss.integrations.trl import TRL_DEFAULTS
+
+__all__ = ["GRPO_FIELDS", "OneProcess", "trl_config", "bare_grpo_trainer", "stub_forward", "padded_inputs"]
+
+GRPO_FIELDS = (
+    "loss_type", "beta", "importance_sampling_level", "top_entropy_quantile", "off_policy_mask_threshold",
+    "use_vllm", "vllm_importance_sampling_correction", "vllm_importance_sampling_mode",
+    "vllm_importance_sampling_clip_max", "vllm_importance_sampling_clip_min", "max_completion_length",
+    "entropy_coef", "use_adaptive_entropy",
+)  # fmt: skip  # what TRL 1.16's GRPOTrainer.__init__ copies from args and _compute_loss reads
+
+
+class OneProcess:
+    """TRL's accelerator on one process: gather and reduce are the identity. ``num_processes`` may be
+    set on an instance to make a trainer believe it runs on more ranks (each then sees the same data)."""
+
+    num_processes = 1
+    sync_gradients = True
+
+    @staticmethod
+    def gather(x: Tensor) -> Tensor:
+        return x
+
+    gather_for_metrics = gather
+
+    @staticmethod
+    def reduce(x: Tensor, reduction: str = "sum") -> Tensor:
+        return x
+
+
+def trl_config(**fields: Any) -> SimpleNamespace:
+    """A duck-typed ``GRPOConfig``: :data:`~packloss.integrations.trl.TRL_DEFAULTS` with ``fields``
+    over them (a real ``GRPOConfig`` validates and resolves options a bare trainer does not need)."""
+    return SimpleNamespace(**TRL_DEFAULTS | fields)
+
+
+def bare_grpo_trainer(grpo_trainer: type, cfg: SimpleNamespace) -> Any:
+    """A bare ``grpo_trainer`` (``GRPOTrainer`` or a subclass, made by ``object.__new__``) with the
+    attributes ``_compute_loss`` reads, set as TRL 1.16's ``__init__`` sets them from ``args``
+    (``epsilon_high`` falls back to ``epsilon`` there); one process, in training."""
+    trainer = object.__new__(grpo_trainer)
+    trainer.args = cfg
+    for name in GRPO_FIELDS:
+        setattr(trainer, name, getattr(cfg, name))
+    trainer.epsilon_low = cfg.epsilon
+    trainer.epsilon_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
+    trainer.aux_loss_enabled = False
+    trainer._entropy_bonus_enabled = cfg.entropy_coef != 0.0 or cfg.use_adaptive_entropy
+    trainer.current_gradient_accumulation_steps = cfg.gradient_accumulation_steps
+    trainer.model = SimpleNamespace(training=True)
+    trainer.accelerator = OneProcess()
+    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    return trainer
+
+
+def stub_forward(trainer: Any, logps: Tensor, entropies: Tensor) -> None:
+    """Make the trainer's forward return the given padded ``[R, T]`` log-probs and entropies, so that
+    ``_compute_loss`` runs on them (and its gradient flows to ``logps``) without a model."""
+    trainer._get_per_token_logps_and_entropies = lambda *a, **k: (logps, entropies, None)
+
+
+def padded_inputs(
+    completion_mask: Tensor, tool_mask: Tensor, advantages: Tensor, num_items_in_batch: Tensor, **streams: Tensor
+) -> dict[str, Tensor]:
+    """The ``inputs`` of ``_compute_loss`` for ``[R, T]`` completions without prompts: empty prompts,
+    zero completion ids (the stub forward ignores them), the masks, one advantage per row, then
+    ``streams`` (e.g. ``old_per_token_logps``, ``ref_per_token_logps``) as given."""
+    rows, width = completion_mask.shape
+    return {
+        "prompt_ids": torch.zeros(rows, 0, dtype=torch.long),
+        "prompt_mask": torch.zeros(rows, 0, dtype=torch.long),
+        "completion_ids": torch.zeros(rows, width, dtype=torch.long),
+        "completion_mask": completion_mask,
+        "tool_mask": tool_mask,
+        "advantages": advantages,
+        "num_items_in_batch": num_items_in_batch,
+        **streams,
+    }
