@@ -36,7 +36,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from packloss.vocab.core import (
-    MATMUL,
+    HEAD_BLOCK,
     VocabParallel,
     check_parallel,
     check_positive_int,
@@ -48,7 +48,7 @@ from packloss.vocab.core import (
 
 __all__ = ["linear_logprobs", "DEFAULT_VOCAB_CHUNK_SIZE", "check_head", "check_tokens"]
 
-DEFAULT_VOCAB_CHUNK_SIZE = 8192
+DEFAULT_VOCAB_CHUNK_SIZE = 1024
 
 
 # ----------------------------------------------------------------------------------------------
@@ -104,9 +104,23 @@ def _chunk_input(h_c: Tensor, inv_t_c: Tensor, softcap: float | None) -> Tensor:
     return h_c * inv_t_c[:, None] if softcap is None else h_c  # [C, H]
 
 
-def _block_logits(h_in: Tensor, w_b: Tensor, inv_t_c: Tensor, softcap: float | None) -> tuple[Tensor, Tensor | None]:
-    """``x = c·tanh(h Wᵀ / c) / T`` (or ``h Wᵀ`` with ``h`` pre-scaled); returns ``(x, tanh)``."""
-    z = h_in @ w_b.T  # [C, B]
+def _block_buffer(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Flat storage for one ``[rows, cols]`` block, reused by every block of a call: on CPU a fresh
+    multi-MiB tensor per block is a fresh ``mmap`` whose page faults cost as much as the exp pass."""
+    return torch.empty(rows * cols, dtype=dtype, device=device)
+
+
+def _view(buf: Tensor, rows: int, cols: int) -> Tensor:
+    """The first ``rows × cols`` elements of ``buf`` as a contiguous ``[rows, cols]`` block."""
+    return buf[: rows * cols].view(rows, cols)
+
+
+def _block_logits(
+    h_in: Tensor, w_b: Tensor, inv_t_c: Tensor, softcap: float | None, out: Tensor
+) -> tuple[Tensor, Tensor | None]:
+    """``x = c·tanh(h Wᵀ / c) / T`` (or ``h Wᵀ`` with ``h`` pre-scaled) written into ``out [C, B]``;
+    returns ``(x, tanh)``."""
+    z = torch.mm(h_in, w_b.T, out=out)  # [C, B]
     if softcap is None:
         return z, None
     th = torch.tanh(z.div_(softcap))  # [C, B]
@@ -120,17 +134,26 @@ def _z_grad(dx: Tensor, th: Tensor | None, inv_t_c: Tensor) -> Tensor:
     return dx.mul_(1.0 - th.square_()).mul_(inv_t_c[:, None])  # [C, B]
 
 
+def _accumulate(dst: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
+    """``dst = a @ b`` on the first block that reaches ``dst``, ``dst += a @ b`` after: no zero-filled
+    pass over a gradient-sized buffer."""
+    if first:
+        torch.mm(a, b, out=dst)
+    else:
+        dst.addmm_(a, b)
+
+
 _Stats = tuple[Tensor, Tensor, Tensor | None]  # (m, s, b) per row, [C] each
 
 
-def _block_stats(x: Tensor, entropy: bool) -> _Stats:
-    """``m = max x``, ``s = Σ exp(x − m)``, ``b = Σ exp(x − m)(x − m)`` per row (``b`` if entropy).
-    ``x`` is overwritten (with ``x − m``)."""
+def _block_stats(x: Tensor, scratch: Tensor | None) -> _Stats:
+    """``m = max x``, ``s = Σ exp(x − m)``, ``b = Σ exp(x − m)(x − m)`` per row (``b`` when a
+    ``scratch`` block of ``x``'s shape is given, for ``exp``). ``x`` is overwritten (with ``x − m``)."""
     m = x.amax(dim=1)  # [C]
     d = x.sub_(m[:, None])  # [C, B]
-    if not entropy:
+    if scratch is None:
         return m, d.exp_().sum(dim=1), None
-    e = torch.exp(d)  # [C, B]
+    e = torch.exp(d, out=scratch)  # [C, B]
     return m, e.sum(dim=1), e.mul_(d).sum(dim=1)
 
 
@@ -213,15 +236,19 @@ def _logprobs_forward(
         empty = inv_t.new_zeros(0)  # [0]
         return empty, empty, (empty if cfg.entropy else None)
     ms, ss, bs, labs = [], [], [], []
+    rows, cols = min(cfg.chunk_size, hidden.shape[0]), min(cfg.vocab_chunk_size, weight.shape[0])
+    buf = _block_buffer(rows, cols, cdt, hidden.device)
+    scratch = _block_buffer(rows, cols, cdt, hidden.device) if cfg.entropy else None
     for t0, t1 in chunk_ranges(hidden.shape[0], cfg.chunk_size):
         h_in = _chunk_input(hidden[t0:t1].to(cdt), inv_t[t0:t1], cfg.softcap)  # [C, H]
         state = None
         lab = torch.zeros(t1 - t0, dtype=cdt, device=hidden.device)  # [C]
         for v0, v1 in chunk_ranges(weight.shape[0], cfg.vocab_chunk_size):
-            x, _ = _block_logits(h_in, weight[v0:v1].to(cdt), inv_t[t0:t1], cfg.softcap)  # [C, B]
+            out = _view(buf, t1 - t0, v1 - v0)  # [C, B]
+            x, _ = _block_logits(h_in, weight[v0:v1].to(cdt), inv_t[t0:t1], cfg.softcap, out)  # [C, B]
             in_block, col = _label_index(labels[t0:t1], cfg.vocab_start + v0, v1 - v0)
             lab = lab + torch.where(in_block, x.gather(1, col).squeeze(1), 0.0)
-            stats = _block_stats(x, cfg.entropy)
+            stats = _block_stats(x, None if scratch is None else _view(scratch, t1 - t0, v1 - v0))
             state = stats if state is None else _merge_stats(*state, *stats)
         for acc, x in zip((ms, ss, bs, labs), (*state, lab), strict=True):
             acc.append(x)
@@ -247,8 +274,13 @@ def _logprobs_backward(
     inf there never reaches ``d_weight`` or the other rows (``0 · NaN``)."""
     hidden, weight, labels, inv_t, log_z, entropy = saved
     cdt = inv_t.dtype
-    d_h = torch.zeros(hidden.shape, dtype=cdt, device=hidden.device) if need_h else None  # [N, H]
-    d_w = torch.zeros(weight.shape, dtype=cdt, device=weight.device) if need_w else None  # [V, H]
+    # Every row of d_hidden and d_weight is written by its first block (no N = 0 chunk writes d_weight)
+    d_h = torch.empty(hidden.shape, dtype=cdt, device=hidden.device) if need_h else None  # [N, H]
+    alloc_w = torch.empty if hidden.shape[0] else torch.zeros
+    d_w = alloc_w(weight.shape, dtype=cdt, device=weight.device) if need_w else None  # [V, H]
+    rows, cols = min(cfg.chunk_size, hidden.shape[0]), min(cfg.vocab_chunk_size, weight.shape[0])
+    buf = _block_buffer(rows, cols, cdt, hidden.device)
+    scratch = None if g_ent is None else _block_buffer(rows, cols, cdt, hidden.device)
     for t0, t1 in chunk_ranges(hidden.shape[0], cfg.chunk_size):
         g = g_lp[t0:t1]  # [C]
         live = g != 0 if g_ent is None else (g != 0) | (g_ent[t0:t1] != 0)  # [C]
@@ -260,20 +292,20 @@ def _logprobs_backward(
             ge, ent_c = g_ent[t0:t1, None], torch.where(live, entropy[t0:t1], 0.0)[:, None]  # [C, 1]
         for v0, v1 in chunk_ranges(weight.shape[0], cfg.vocab_chunk_size):
             w_b = weight[v0:v1].to(cdt)  # [B, H]
-            x, th = _block_logits(h_in, w_b, inv_t_c, cfg.softcap)  # [C, B]
+            x, th = _block_logits(h_in, w_b, inv_t_c, cfg.softcap, _view(buf, t1 - t0, v1 - v0))  # [C, B]
             log_p = x.sub_(lz)  # [C, B]
-            if g_ent is None:
+            if scratch is None:
                 dx = log_p.exp_().mul_(-g[:, None])  # [C, B]
             else:
-                p = torch.exp(log_p)  # [C, B]
+                p = torch.exp(log_p, out=_view(scratch, t1 - t0, v1 - v0))  # [C, B]
                 dx = p.mul_(log_p.add_(ent_c).mul_(ge).add_(g[:, None])).neg_()  # [C, B]
             in_block, col = _label_index(labels[t0:t1], cfg.vocab_start + v0, v1 - v0)
             dx.scatter_add_(1, col, torch.where(in_block, g, 0.0)[:, None])
             dz = _z_grad(dx, th, inv_t_c)  # [C, B]
             if d_h is not None:
-                d_h[t0:t1].addmm_(dz, w_b)
+                _accumulate(d_h[t0:t1], dz, w_b, first=v0 == 0)
             if d_w is not None:
-                d_w[v0:v1].addmm_(dz.T, h_in)
+                _accumulate(d_w[v0:v1], dz.T, h_in, first=t0 == 0)
         if d_h is not None and cfg.softcap is None:
             d_h[t0:t1].mul_(inv_t_c[:, None])
     if d_h is not None and cfg.group is not None:
@@ -332,8 +364,8 @@ def linear_logprobs(
         labels: ``[N]`` integer global token ids; ``ignore_index`` marks positions without a label.
         temperature: a positive float or a ``[N]`` tensor of per-token temperatures (no gradient).
         chunk_size, vocab_chunk_size: the token × vocab block ``C × B``; at most a few float32 blocks
-            are alive at a time. Default ``C``: ``chunk_rows(B, budget=MATMUL)``, ``threads · 2**22 // B``
-            on CPU, ``2**26 // B`` on CUDA.
+            are alive at a time, each reused for every block. Default ``C``:
+            ``chunk_rows(B, budget=HEAD_BLOCK)``, ``threads · 2**19 // B`` on CPU, ``2**26 // B`` on CUDA.
         return_entropy: compute ``entropy = −Σ p log p`` as well.
         entropy_grad: make the entropy differentiable (``∂H/∂x = −p (log p + H)``); otherwise it is
             returned detached.
@@ -359,7 +391,7 @@ def linear_logprobs(
     n, v_local = hidden.shape[0], weight.shape[0]
     check_tokens("labels", labels, n, "integer")
     check_positive_int("vocab_chunk_size", vocab_chunk_size)
-    rows = chunk_rows(min(vocab_chunk_size, v_local), hidden.device, chunk_size, budget=MATMUL)
+    rows = chunk_rows(min(vocab_chunk_size, v_local), hidden.device, chunk_size, budget=HEAD_BLOCK)
     if softcap is not None and not softcap > 0:
         raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
     if entropy_grad and not return_entropy:
