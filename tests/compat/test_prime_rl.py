@@ -191,6 +191,44 @@ def test_views_of_one_tensor_are_used_without_cat():
     assert counter.ops["aten.cat"] > 0  # separate tensors are concatenated (the check can fail)
 
 
+def _near_misses(views: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
+    """Lists that look like consecutive views of one tensor but are not: the fast path must refuse them."""
+    row = views[0]._base
+    wide = torch.full((2 * row.numel(),), float("nan"))  # a 1-D base with the row at its even slots
+    wide[::2] = row
+    strided = list(torch.split(wide[::2], [v.numel() for v in views]))
+    swapped = [views[1], views[0], *views[2:]]  # same lengths here, wrong order
+    other = [*views[:-1], views[-1].clone()]  # last one a copy, not a view
+    return {"strided": strided, "swapped": swapped, "other": other}
+
+
+@pytest.mark.parametrize("case", ["strided", "swapped", "other"])
+def test_lists_that_are_not_consecutive_views_are_concatenated(case):
+    """Only exact consecutive contiguous views take the no-``cat`` path; anything else gets ``cat``'s
+    result (a wrong shortcut here would be a silent wrong number)."""
+    lens = [5, 5, 7]
+    g = torch.Generator().manual_seed(3)
+    adv = torch.randn(sum(lens), generator=g)
+    adv_views = list(torch.split(adv, lens))
+    mask_views = list(torch.split(torch.ones(sum(lens), dtype=torch.bool), lens))
+    streams = {"advantages": _near_misses(adv_views)[case]}
+    expected = torch.cat(streams["advantages"])  # what the list holds, element by element
+    packed = prime_rl._cat("advantages", streams["advantages"], tuple(lens))
+    assert torch.equal(packed, expected)  # a shortcut would read NaNs (strided) or the row's order (swapped)
+    assert torch.equal(prime_rl._cat("loss_mask", mask_views, tuple(lens)), torch.ones(sum(lens), dtype=torch.bool))
+
+
+def test_list_elements_of_the_wrong_shape_or_type_are_refused():
+    lens = (3, 4)
+    views = list(torch.split(torch.arange(7.0), list(lens)))
+    with pytest.raises(ValueError, match=r"advantages\[1\] must have shape \(4,\), got \(1, 4\)"):
+        prime_rl._cat("advantages", [views[0], views[1].view(1, 4)], lens)
+    with pytest.raises(TypeError, match=r"advantages\[0\] must be a torch.Tensor, got list"):
+        prime_rl._cat("advantages", [[0.0, 1.0, 2.0], views[1]], lens)
+    with pytest.raises(ValueError, match="advantages holds 1 sequences, trainer_logprobs 2"):
+        prime_rl._cat("advantages", views[:1], lens)
+
+
 def test_tensor_scales_equal_int_scales_and_bad_inputs_name_the_argument():
     batch = bin_of("echo", seed=6)
     fn = prime_rl.setup_rl_loss_fn(CONFIGS["dppo"])

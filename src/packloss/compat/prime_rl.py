@@ -25,6 +25,8 @@ Differences a caller can see, as PR #2951 states them:
 from __future__ import annotations
 
 import importlib
+import itertools
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -253,34 +255,46 @@ class _LossFnComponent:
 
 
 def _cat(name: str, seqs: list[Tensor] | None, seq_lens: tuple[int, ...]) -> Tensor | None:
+    """The per-sequence tensors as one ``[N]`` tensor: the tensor they are consecutive views of when
+    they are (checked at C speed, :func:`_consecutive_views`), else validated one by one and ``cat``."""
     if seqs is None:
         return None
     if len(seqs) != len(seq_lens):
         raise ValueError(f"{name} holds {len(seqs)} sequences, trainer_logprobs {len(seq_lens)}")
+    whole = _consecutive_views(seqs, seq_lens)
+    if whole is not None:
+        return whole
     for i, (t, n) in enumerate(zip(seqs, seq_lens, strict=True)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
         if tuple(t.shape) != (n,):
             raise ValueError(f"{name}[{i}] must have shape ({n},), got {tuple(t.shape)}")
-    whole = _consecutive_views(seqs)
-    return torch.cat(list(seqs)) if whole is None else whole
+    return torch.cat(list(seqs))
 
 
-def _consecutive_views(seqs: list[Tensor]) -> Tensor | None:
-    """The one tensor the per-sequence tensors are consecutive views of (as ``torch.split`` of a
-    packed row makes them), as a narrow of their base; None otherwise. Host metadata only: no copy,
-    and the cost of the bin's backward stays flat in the number of sequences (no ``cat``)."""
-    base = seqs[0]._base
-    if base is None or base.dim() != 1:
+_BASE = operator.attrgetter("_base")
+
+
+def _consecutive_views(seqs: list[Tensor], seq_lens: tuple[int, ...]) -> Tensor | None:
+    """The one tensor ``seqs`` are consecutive ``[n_i]`` views of (as ``torch.split`` of a packed row
+    makes them), as a narrow of their base; None otherwise. Host metadata only: no copy, and the cost
+    of the bin's backward stays flat in the number of sequences (no ``cat``). Every per-element check
+    is a ``map`` of a C method (no Python frame per sequence): the call stays flat as well."""
+    base = getattr(seqs[0], "_base", None)
+    if not isinstance(base, Tensor) or base.dim() != 1 or base.stride(0) != 1:
         return None
-    offset = start = seqs[0].storage_offset()
-    for t in seqs:
-        if t._base is not base or t.storage_offset() != offset or (t.shape[0] > 1 and t.stride(0) != 1):
+    try:
+        same_base = all(map(operator.is_, map(_BASE, seqs), itertools.repeat(base)))
+        if not same_base or set(map(Tensor.dim, seqs)) != {1} or not all(map(Tensor.is_contiguous, seqs)):
             return None
-        offset += t.shape[0]
-    if base.stride(0) != 1:
+        numels, offsets = list(map(Tensor.numel, seqs)), list(map(Tensor.storage_offset, seqs))
+    except TypeError:  # an element that is not a Tensor: the caller's checks name it
         return None
-    return base.narrow(0, start - base.storage_offset(), offset - start)
+    ends = list(itertools.accumulate(numels, initial=offsets[0]))  # [S + 1]
+    if numels != list(seq_lens) or ends[:-1] != offsets:
+        return None
+    start = offsets[0] - base.storage_offset()
+    return base.narrow(0, start, ends[-1] - offsets[0])
 
 
 def compute_loss(

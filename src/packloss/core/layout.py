@@ -24,13 +24,14 @@ def check_seq_lens(seq_lens: Sequence[int], num_tokens: int | None = None, name:
     if seq_lens is None or isinstance(seq_lens, str | bytes) or not isinstance(seq_lens, Sequence):
         raise TypeError(f"{name} must be a list or tuple of ints, got {type(seq_lens).__name__}")
     lens = tuple(seq_lens)
-    for n in lens:
-        if isinstance(n, bool) or not isinstance(n, int):
-            raise TypeError(f"{name} must hold Python ints, got {type(n).__name__}")
-        if n <= 0:
-            raise ValueError(f"{name} must hold positive lengths, got {n} in {list(lens)}")
     if not lens:
         raise ValueError(f"{name} is empty: a bin holds at least one sequence")
+    if set(map(type, lens)) != {int} or min(lens) <= 0:  # C-level scan; the loop finds the culprit
+        for n in lens:
+            if isinstance(n, bool) or not isinstance(n, int):
+                raise TypeError(f"{name} must hold Python ints, got {type(n).__name__}")
+            if n <= 0:
+                raise ValueError(f"{name} must hold positive lengths, got {n} in {list(lens)}")
     if num_tokens is not None and sum(lens) != num_tokens:
         raise ValueError(f"{name} sums to {sum(lens)} but the streams hold N={num_tokens} tokens")
     return lens
