@@ -36,7 +36,7 @@ from torch import Tensor
 __all__ = [
     "ChunkBudget", "ChunkRun", "DIVERGENCES", "Divergence", "DivergenceSpec", "ELEMENTWISE", "HEAD_BLOCK", "MATMUL",
     "VocabParallel", "chunk_core", "chunk_divergence", "chunk_ranges", "chunk_rows", "compiled_chunk", "compute_dtype",
-    "graph_is_kept", "log_probs", "masked_chunk", "resolve", "resolve_impl",
+    "graph_is_kept", "log_probs", "masked_chunk", "mm_into", "resolve", "resolve_impl",
 ]  # fmt: skip
 
 TeacherFormat = Literal["logits", "logprobs", "probs"]
@@ -209,6 +209,15 @@ def chunk_ranges(total: int, rows: int) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` of consecutive chunks of ``rows`` covering ``range(total)``."""
     for start in range(0, total, rows):
         yield start, min(start + rows, total)
+
+
+def mm_into(dst: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
+    """``dst = a @ b`` on the first block that reaches ``dst``, ``dst += a @ b`` after: a gradient
+    accumulated block by block needs no zero-filled pass over it first."""
+    if first:
+        torch.mm(a, b, out=dst)
+    else:
+        dst.addmm_(a, b)
 
 
 def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:

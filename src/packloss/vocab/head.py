@@ -44,6 +44,7 @@ from packloss.vocab.core import (
     chunk_ranges,
     chunk_rows,
     compute_dtype,
+    mm_into,
 )
 
 __all__ = ["linear_logprobs", "DEFAULT_VOCAB_CHUNK_SIZE", "check_head", "check_tokens"]
@@ -132,15 +133,6 @@ def _z_grad(dx: Tensor, th: Tensor | None, inv_t_c: Tensor) -> Tensor:
     if th is None:
         return dx  # [C, B]
     return dx.mul_(1.0 - th.square_()).mul_(inv_t_c[:, None])  # [C, B]
-
-
-def _accumulate(dst: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
-    """``dst = a @ b`` on the first block that reaches ``dst``, ``dst += a @ b`` after: no zero-filled
-    pass over a gradient-sized buffer."""
-    if first:
-        torch.mm(a, b, out=dst)
-    else:
-        dst.addmm_(a, b)
 
 
 _Stats = tuple[Tensor, Tensor, Tensor | None]  # (m, s, b) per row, [C] each
@@ -303,9 +295,9 @@ def _logprobs_backward(
             dx.scatter_add_(1, col, torch.where(in_block, g, 0.0)[:, None])
             dz = _z_grad(dx, th, inv_t_c)  # [C, B]
             if d_h is not None:
-                _accumulate(d_h[t0:t1], dz, w_b, first=v0 == 0)
+                mm_into(d_h[t0:t1], dz, w_b, first=v0 == 0)
             if d_w is not None:
-                _accumulate(d_w[v0:v1], dz.T, h_in, first=t0 == 0)
+                mm_into(d_w[v0:v1], dz.T, h_in, first=t0 == 0)
         if d_h is not None and cfg.softcap is None:
             d_h[t0:t1].mul_(inv_t_c[:, None])
     if d_h is not None and cfg.group is not None:

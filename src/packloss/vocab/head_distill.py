@@ -32,6 +32,7 @@ from packloss.vocab.core import (
     chunk_rows,
     compute_dtype,
     graph_is_kept,
+    mm_into,
     resolve_impl,
 )
 from packloss.vocab.head import check_head, check_tokens
@@ -52,7 +53,8 @@ def _distill_forward(
     w = weight.to(cdt)  # [V_local, H]
     per_token = torch.empty(hidden.shape[0], dtype=cdt, device=hidden.device)  # [N]
     d_h = torch.empty(hidden.shape, dtype=cdt, device=hidden.device) if need_h else None  # [N, H]
-    d_w = torch.zeros(w.shape, dtype=cdt, device=w.device) if need_w else None  # [V_local, H]
+    alloc_w = torch.empty if hidden.shape[0] else torch.zeros  # the first chunk writes every row of d_weight
+    d_w = alloc_w(w.shape, dtype=cdt, device=w.device) if need_w else None  # [V_local, H]
     for t0, t1 in chunk_ranges(hidden.shape[0], run.rows):
         m_c = None if mask is None else mask[t0:t1]  # [C]
         h_c = hidden[t0:t1].to(cdt)  # [C, H]
@@ -62,7 +64,7 @@ def _distill_forward(
         if d_h is not None:
             torch.mm(grad, w, out=d_h[t0:t1])
         if d_w is not None:
-            d_w.addmm_(grad.T, h_c)
+            mm_into(d_w, grad.T, h_c, first=t0 == 0)
     if d_h is not None and run.parallel is not None:
         dist.all_reduce(d_h, op=dist.ReduceOp.SUM, group=run.parallel.group)
     return per_token, d_h, d_w
