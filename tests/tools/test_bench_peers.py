@@ -137,7 +137,13 @@ def test_a_perturbed_fused_variant_fails(monkeypatch, kind):
 
 
 def test_missing_peers_are_skipped_with_a_note(monkeypatch):
-    for module in ("trl", "verl.trainer.ppo.core_algos", "cut_cross_entropy", "liger_kernel.chunked_loss"):
+    for module in (
+        "trl",
+        "trl.kernels",
+        "verl.trainer.ppo.core_algos",
+        "cut_cross_entropy",
+        "liger_kernel.chunked_loss",
+    ):
         monkeypatch.setitem(sys.modules, module, None)  # importing it now raises ImportError
     notes: list[str] = []
     assert peers.run_rl(96, 5, False, 1, 1, lambda _d: None, notes) == []
@@ -147,6 +153,14 @@ def test_missing_peers_are_skipped_with_a_note(monkeypatch):
     rows = peers.run_fused("head", (32, 16, 128), (32, 16, 128), 1, "cpu", lambda _d: None, notes)
     assert [r["variant"] for r in rows] == ["naive_eager", "packloss_fused"]
     assert any(n.startswith("head/cce_torch_compile: cut_cross_entropy not importable") for n in notes), notes
+    assert any(n.startswith("head/trl_chunked: trl.kernels not importable") for n in notes), notes
+
+
+def test_trl_fused_head_agrees_with_the_materialised_head():
+    """TRL's own ``ChunkedLogProbFunction`` (installed with the peers) gives the naive head's values and
+    gradients; vocab 300 with 128-wide tiles would expose a tile-edge error."""
+    errors = peers.check_fused("head", ["naive_eager", "trl_chunked", "packloss_fused"], 40, 16, 300, "cpu")
+    assert set(errors) == {"trl_chunked", "packloss_fused"} and max(errors.values()) < peers.HEAD_RTOL
 
 
 def test_cuda_is_refused():

@@ -29,7 +29,8 @@ note in ``result["notes"]`` (and no row). Ratios are packloss ÷ peer, measured 
   ``[N, H]`` and weight ``[V, H]``: ``naive_eager`` (``[N, V]`` logits, ``log_softmax``, gather),
   ``packloss_fused`` (:func:`packloss.vocab.linear_logprobs`, no entropy), ``cce_torch_compile``
   (cut-cross-entropy's ``linear_cross_entropy(impl="torch_compile", reduction="none")``, negated; its
-  ``cce`` kernel needs Triton on a GPU).
+  ``cce`` kernel needs Triton on a GPU), ``trl_chunked`` (``trl.kernels.ChunkedLogProbFunction``, TRL's
+  fused LM head, on its torch tiles off Triton, at the tile width TRL's trainer passes).
 * ``distill``: generalised JSD (``β = 0.5``) of a student head against a teacher head, token mean over the
   members (about 10% of the tokens ignored), forward+backward w.r.t. the student's hidden and weight:
   ``naive_eager`` (materialised), ``packloss_fused`` (:func:`packloss.vocab.linear_distill`,
@@ -316,7 +317,12 @@ def run_rl(num_tokens: int, num_seqs: int, compiled: bool, warmup: int, repeat: 
 # Fused head and distillation from hidden states (each variant timed in a fresh process)
 # ---------------------------------------------------------------------------------------------------
 
-HEAD_VARIANTS = {"naive_eager": None, "packloss_fused": None, "cce_torch_compile": "cut_cross_entropy"}
+HEAD_VARIANTS = {
+    "naive_eager": None,
+    "packloss_fused": None,
+    "cce_torch_compile": "cut_cross_entropy",
+    "trl_chunked": "trl.kernels",
+}
 DISTILL_VARIANTS = {"naive_eager": None, "packloss_fused": None, "liger_compiled": "liger_kernel.chunked_loss"}
 
 
@@ -339,6 +345,14 @@ def head_fn(variant: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
         from cut_cross_entropy import linear_cross_entropy
 
         return lambda hd, w, y: -linear_cross_entropy(hd, w, y, impl="torch_compile", reduction="none")
+    if variant == "trl_chunked":  # TRL's fused LM head (its torch tiles off Triton), at TRL's own tile width
+        from trl.kernels import ChunkedLogProbFunction
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+        def trl_chunked(hd: Tensor, w: Tensor, y: Tensor) -> Tensor:
+            return ChunkedLogProbFunction.apply(hd, w, None, y, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ())[0]
+
+        return trl_chunked
     raise ValueError(f"head_fn: unknown variant {variant!r}")
 
 
@@ -463,9 +477,8 @@ def run_fused(kind: str, shape: tuple[int, int, int], check_shape: tuple[int, in
         row["peak_vs_naive"] = row["peak_bytes"] / max(naive["peak_bytes"], 1)
         row["max_rel_err"] = errors[row["variant"]]
     by_variant = {r["variant"]: r for r in rows}
-    peer = next((r for r in rows if table[r["variant"]] is not None), None)
-    if peer is not None and "packloss_fused" in by_variant:
-        ours = by_variant["packloss_fused"]
+    ours = by_variant.get("packloss_fused")
+    for peer in (r for r in rows if table[r["variant"]] is not None and ours is not None):
         ours[f"time_vs_{peer['variant']}"] = ours["time_ms"] / peer["time_ms"]
         ours[f"peak_vs_{peer['variant']}"] = ours["peak_bytes"] / max(peer["peak_bytes"], 1)
     return rows
