@@ -179,10 +179,10 @@ class ChunkBudget:
 # faster than naive autograd on one thread, and faster than 16 MiB chunks); on CUDA 2**26 (256 MiB)
 # fills the device.
 ELEMENTWISE = ChunkBudget(cpu_per_thread=2**18, accelerator=2**26)
-# Blocks that feed matmuls against the LM-head weight (the fused head): each token chunk re-reads the
-# weight, so on CPU a chunk needs a few hundred rows to stay compute-bound. Measured on one thread
-# (N=2048, H=512, V=32768): linear_logprobs takes 10.5 s with 32-row chunks, 6.1-6.5 s with 256-1024;
-# linear_distill (N=1024) 12.1 s with 8-row chunks, 2.8 s with 128-256.
+# Whole-vocabulary token chunks that feed matmuls against the LM-head weight (linear_distill): each
+# chunk re-reads the weight, so on CPU a chunk needs enough rows to stay compute-bound. Measured on one
+# thread: linear_distill (N=1024, H=512, V=32768) 12.1 s with 8-row chunks, 2.8 s with 128-256; at
+# N=2048 beside Liger, 64 rows 1.12x, 128 (this budget) 1.05x, 256 1.18x.
 MATMUL = ChunkBudget(cpu_per_thread=2**22, accelerator=2**26)
 # Token × vocabulary blocks of the fused head (C × B logits, B = 1024 by default): on CPU 2**19
 # elements (2 MiB) per thread keep the block L3-resident between its matmul and the elementwise passes.
