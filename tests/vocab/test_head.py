@@ -620,3 +620,28 @@ def test_vocab_parallel_matches_single_process():
             _assert_close([got[-1]], [last], 1e-5)
             if not run.case.startswith("logprobs"):  # per-token scalars only: nothing of size C × V is communicated
                 assert ranks[rank]["collectives"][i] == _expected_distill_collectives(run), run
+
+
+def test_cpu_default_blocks_are_1024_wide_and_reuse_one_buffer():
+    """On CPU the default vocabulary block is ``DEFAULT_VOCAB_CHUNK_SIZE["cpu"]`` = 1024 rows: V = 4096 in
+    one token chunk takes 4 forward matmuls, all written into one reused buffer (``mm`` with ``out=``),
+    and the backward writes each gradient block by its first matmul (no zero-filled gradient)."""
+    from packloss.vocab.head import DEFAULT_VOCAB_CHUNK_SIZE
+
+    assert DEFAULT_VOCAB_CHUNK_SIZE["cpu"] == 1024
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(16, 8, generator=g, requires_grad=True)
+    weight = torch.randn(4096, 8, generator=g, requires_grad=True)
+    labels = torch.randint(0, 4096, (16,), generator=g)
+    with OpCounter() as fwd:
+        lp, _ = linear_logprobs(hidden, weight, labels, return_entropy=False)
+    assert fwd.ops["aten.mm"] == 4, dict(fwd.ops)
+    with OpCounter() as bwd:
+        lp.sum().backward()
+    # 4 recomputed blocks; d_hidden: 1 mm then 3 addmm_; d_weight: 4 mm (one token chunk: each block's first)
+    assert bwd.ops["aten.mm"] == 4 + 1 + 4 and bwd.ops["aten.addmm_"] == 3, dict(bwd.ops)
+    # the one ``zeros`` left is autograd's [0]-element gradient of the unused entropy output (the
+    # zero-filled d_hidden and d_weight made it 3)
+    assert bwd.ops["aten.zeros"] == 1 and bwd.ops["aten.zero_"] == 0, dict(bwd.ops)
+    wide, _ = linear_logprobs(hidden, weight, labels, return_entropy=False, vocab_chunk_size=8192)
+    torch.testing.assert_close(lp, wide, rtol=1e-6, atol=1e-6)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from packloss.vocab.core import check_positive_int
-from packloss.vocab.head import DEFAULT_VOCAB_CHUNK_SIZE, linear_logprobs
+from packloss.vocab.head import linear_logprobs
 
 __all__ = ["FusedCausalLMOutput", "causal_lm_logprobs", "next_token_labels", "patch_causal_lm"]
 
@@ -83,15 +83,15 @@ def causal_lm_logprobs(
     entropy_grad: bool = False,
     ignore_index: int = -100,
     chunk_size: int | None = None,
-    vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
+    vocab_chunk_size: int | None = None,
     **model_kwargs,
 ) -> FusedCausalLMOutput:
     """Log-probs ``[B, S]`` of ``labels`` (aligned with positions) and entropy, via the fused head.
 
     ``model_kwargs`` (``attention_mask``, ``position_ids``, ``inputs_embeds``, …) go to ``model.model``;
     ``chunk_size`` (None: the chunk policy of :func:`~packloss.vocab.core.chunk_rows`) and
-    ``vocab_chunk_size`` to :func:`~packloss.vocab.head.linear_logprobs`. ``return_dict=False``
-    returns :meth:`FusedCausalLMOutput.to_tuple` instead, as transformers models do.
+    ``vocab_chunk_size`` (None: the device's default) to :func:`~packloss.vocab.head.linear_logprobs`.
+    ``return_dict=False`` returns :meth:`FusedCausalLMOutput.to_tuple` instead, as transformers models do.
     """
     _check_model(model)
     return_dict = model_kwargs.pop("return_dict", None)
@@ -132,19 +132,20 @@ def causal_lm_logprobs(
 def patch_causal_lm(
     model: torch.nn.Module,
     chunk_size: int | None = None,
-    vocab_chunk_size: int = DEFAULT_VOCAB_CHUNK_SIZE,
+    vocab_chunk_size: int | None = None,
 ) -> torch.nn.Module:
     """Make ``model(input_ids, labels=..., temperature=..., return_entropy=..., entropy_grad=...,
     **kwargs)`` return a :class:`FusedCausalLMOutput` (see module doc); returns ``model`` itself.
 
     Without ``labels`` the original forward runs. Idempotent; the original forward is kept as
     ``model._packloss_original_forward``. ``chunk_size`` and ``vocab_chunk_size`` are validated here
-    (``ValueError`` unless positive ints; ``chunk_size`` may be None), not at the first call.
+    (``ValueError`` unless positive ints or None), not at the first call.
     """
     _check_model(model)
     if chunk_size is not None:
         check_positive_int("chunk_size", chunk_size)
-    check_positive_int("vocab_chunk_size", vocab_chunk_size)
+    if vocab_chunk_size is not None:
+        check_positive_int("vocab_chunk_size", vocab_chunk_size)
     if hasattr(model, "_packloss_original_forward"):
         return model
     original = model.forward
