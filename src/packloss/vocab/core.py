@@ -36,7 +36,7 @@ from torch import Tensor
 __all__ = [
     "ChunkBudget", "ChunkRun", "DIVERGENCES", "Divergence", "DivergenceSpec", "ELEMENTWISE", "HEAD_BLOCK", "MATMUL",
     "VocabParallel", "chunk_core", "chunk_divergence", "chunk_ranges", "chunk_rows", "compiled_chunk", "compute_dtype",
-    "graph_is_kept", "log_probs", "masked_chunk", "mm_into", "resolve", "resolve_impl",
+    "gradient_buffer", "graph_is_kept", "log_probs", "masked_chunk", "mm_into", "resolve", "resolve_impl",
 ]  # fmt: skip
 
 TeacherFormat = Literal["logits", "logprobs", "probs"]
@@ -184,7 +184,7 @@ ELEMENTWISE = ChunkBudget(cpu_per_thread=2**18, accelerator=2**26)
 # thread: linear_distill (N=1024, H=512, V=32768) 12.1 s with 8-row chunks, 2.8 s with 128-256; at
 # N=2048 beside Liger, 64 rows 1.12x, 128 (this budget) 1.05x, 256 1.18x.
 MATMUL = ChunkBudget(cpu_per_thread=2**22, accelerator=2**26)
-# Token × vocabulary blocks of the fused head (C × B logits, B = 1024 by default): on CPU 2**19
+# Token × vocabulary blocks of the fused head (C × B logits, B = 1024 by default on CPU): on CPU 2**19
 # elements (2 MiB) per thread keep the block L3-resident between its matmul and the elementwise passes.
 # Measured on one thread (N=2048, H=512, V=32768, fwd+bwd) beside cut-cross-entropy's compiled path:
 # 512 × 1024 0.97x, 1024 × 1024 1.00x, 2048 × 512 1.03x, 256 × 4096 1.08x, 512 × 8192 (the old default,
@@ -209,6 +209,12 @@ def chunk_ranges(total: int, rows: int) -> Iterator[tuple[int, int]]:
     """``(start, stop)`` of consecutive chunks of ``rows`` covering ``range(total)``."""
     for start in range(0, total, rows):
         yield start, min(start + rows, total)
+
+
+def gradient_buffer(shape: torch.Size, blocks: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Storage for a gradient filled by :func:`mm_into`: left uninitialised when ``blocks > 0`` (the
+    first block writes every row), zeros when no block will run (``N = 0``)."""
+    return (torch.empty if blocks else torch.zeros)(shape, dtype=dtype, device=device)
 
 
 def mm_into(dst: Tensor, a: Tensor, b: Tensor, first: bool) -> None:

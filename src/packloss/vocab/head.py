@@ -44,6 +44,7 @@ from packloss.vocab.core import (
     chunk_ranges,
     chunk_rows,
     compute_dtype,
+    gradient_buffer,
     mm_into,
 )
 
@@ -269,10 +270,9 @@ def _logprobs_backward(
     inf there never reaches ``d_weight`` or the other rows (``0 · NaN``)."""
     hidden, weight, labels, inv_t, log_z, entropy = saved
     cdt = inv_t.dtype
-    # Every row of d_hidden and d_weight is written by its first block (no N = 0 chunk writes d_weight)
-    d_h = torch.empty(hidden.shape, dtype=cdt, device=hidden.device) if need_h else None  # [N, H]
-    alloc_w = torch.empty if hidden.shape[0] else torch.zeros
-    d_w = alloc_w(weight.shape, dtype=cdt, device=weight.device) if need_w else None  # [V, H]
+    n = hidden.shape[0]
+    d_h = gradient_buffer(hidden.shape, n, cdt, hidden.device) if need_h else None  # [N, H]
+    d_w = gradient_buffer(weight.shape, n, cdt, weight.device) if need_w else None  # [V, H]
     rows, cols = min(cfg.chunk_size, hidden.shape[0]), min(cfg.vocab_chunk_size, weight.shape[0])
     buf = _block_buffer(rows, cols, cdt, hidden.device)
     scratch = None if g_ent is None else _block_buffer(rows, cols, cdt, hidden.device)

@@ -31,6 +31,7 @@ from packloss.vocab.core import (
     chunk_ranges,
     chunk_rows,
     compute_dtype,
+    gradient_buffer,
     graph_is_kept,
     mm_into,
     resolve_impl,
@@ -53,8 +54,7 @@ def _distill_forward(
     w = weight.to(cdt)  # [V_local, H]
     per_token = torch.empty(hidden.shape[0], dtype=cdt, device=hidden.device)  # [N]
     d_h = torch.empty(hidden.shape, dtype=cdt, device=hidden.device) if need_h else None  # [N, H]
-    alloc_w = torch.empty if hidden.shape[0] else torch.zeros  # the first chunk writes every row of d_weight
-    d_w = alloc_w(w.shape, dtype=cdt, device=w.device) if need_w else None  # [V_local, H]
+    d_w = gradient_buffer(w.shape, hidden.shape[0], cdt, w.device) if need_w else None  # [V_local, H]
     for t0, t1 in chunk_ranges(hidden.shape[0], run.rows):
         m_c = None if mask is None else mask[t0:t1]  # [C]
         h_c = hidden[t0:t1].to(cdt)  # [C, H]
