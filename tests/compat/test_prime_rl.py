@@ -172,50 +172,79 @@ def test_shift_tensors():
 _METADATA_OPS = {"aten.view", "aten.expand", "aten.as_strided", "aten.alias", "aten.slice", "aten.narrow"}
 
 
-def test_views_of_one_tensor_are_used_without_cat():
-    """Lists that are consecutive views of one packed row cost the same at any sequence count."""
-    totals = {}
+def test_split_lists_cost_the_same_at_any_sequence_count():
+    """The trainer's split log-probs are read as their packed row (no ``cat``, no per-sequence edge in
+    the backward); the lists without grad are one ``cat`` each: the op count is flat in the sequences."""
+    totals, cats = {}, {}
     for num_seqs in (1, 16, 256):
         batch = bin_of("hot", num_tokens=2048, num_seqs=num_seqs)
-        kwargs = dict(**batch.lists(), **batch.integer_scales())
+        lists = batch.lists()
+        kwargs = dict(**lists, **batch.integer_scales())
         fn = prime_rl.setup_rl_loss_fn(CONFIGS["dppo"])
         with OpCounter() as counter:
             loss, _ = prime_rl.compute_loss(**kwargs, rl_loss_fn=fn)
             loss.backward()
-        assert counter.ops["aten.cat"] == 0, num_seqs
+        cats[num_seqs] = counter.ops["aten.cat"]
         totals[num_seqs] = sum(n for op, n in counter.ops.items() if op not in _METADATA_OPS)
+        packed = prime_rl._cat("trainer_logprobs", lists["trainer_logprobs"], batch.seq_lens)
+        assert packed._base is batch.trainer_logprobs and type(packed.grad_fn).__name__ != "CatBackward0"
+    without_grad = sum(v is not None for k, v in lists.items() if k != "trainer_logprobs")
+    assert cats == {1: without_grad, 16: without_grad, 256: without_grad}
     assert totals[1] == totals[16] == totals[256], totals
     copies = {k: [t.clone() for t in v] if v is not None else None for k, v in bin_of("hot").lists().items()}
     with OpCounter() as counter:
         prime_rl.compute_loss(**copies, rl_loss_fn=fn, rl_scale=1, ce_scale=1, ref_kl_scale=1)
-    assert counter.ops["aten.cat"] > 0  # separate tensors are concatenated (the check can fail)
+    assert counter.ops["aten.cat"] == without_grad + 1  # separate tensors are concatenated (the check can fail)
 
 
-def _near_misses(views: list[torch.Tensor]) -> dict[str, list[torch.Tensor]]:
-    """Lists that look like consecutive views of one tensor but are not: the fast path must refuse them."""
-    row = views[0]._base
-    wide = torch.full((2 * row.numel(),), float("nan"))  # a 1-D base with the row at its even slots
-    wide[::2] = row
-    strided = list(torch.split(wide[::2], [v.numel() for v in views]))
-    swapped = [views[1], views[0], *views[2:]]  # same lengths here, wrong order
-    other = [*views[:-1], views[-1].clone()]  # last one a copy, not a view
-    return {"strided": strided, "swapped": swapped, "other": other}
-
-
-@pytest.mark.parametrize("case", ["strided", "swapped", "other"])
-def test_lists_that_are_not_consecutive_views_are_concatenated(case):
-    """Only exact consecutive contiguous views take the no-``cat`` path; anything else gets ``cat``'s
-    result (a wrong shortcut here would be a silent wrong number)."""
-    lens = [5, 5, 7]
+def _not_one_split(lens: list[int]) -> dict[str, tuple[torch.Tensor, list[torch.Tensor]]]:
+    """``(leaf, list)`` pairs whose lists look like one split of a packed row but are not: each must
+    get ``cat``'s values and send its gradient where ``cat`` sends it."""
     g = torch.Generator().manual_seed(3)
-    adv = torch.randn(sum(lens), generator=g)
-    adv_views = list(torch.split(adv, lens))
-    mask_views = list(torch.split(torch.ones(sum(lens), dtype=torch.bool), lens))
-    streams = {"advantages": _near_misses(adv_views)[case]}
-    expected = torch.cat(streams["advantages"])  # what the list holds, element by element
-    packed = prime_rl._cat("advantages", streams["advantages"], tuple(lens))
-    assert torch.equal(packed, expected)  # a shortcut would read NaNs (strided) or the row's order (swapped)
-    assert torch.equal(prime_rl._cat("loss_mask", mask_views, tuple(lens)), torch.ones(sum(lens), dtype=torch.bool))
+    leaf = torch.randn(2 * sum(lens), generator=g, requires_grad=True)
+    row = leaf * 1.0  # a packed row with a graph, as a model's output is
+    cases = {}
+    cases["strided"] = (leaf, list(torch.split(row[::2], lens)))  # a view of the row, every other slot
+    views = list(torch.split(row[: sum(lens)], lens))
+    cases["swapped"] = (leaf, [views[1], views[0], *views[2:]])  # same lengths, wrong order
+    cases["copy"] = (leaf, [*views[:-1], views[-1].clone()])  # last one a copy, not a view
+    cases["two splits"] = (leaf, [*views[:-1], torch.split(row[sum(lens) :], lens)[-1]])  # last from another split
+    offsets = [sum(lens[:i]) for i in range(len(lens))]
+    cases["slices"] = (leaf, [row[o : o + n] for o, n in zip(offsets, lens, strict=True)])  # views, no split
+    with torch.no_grad():
+        own = row[: sum(lens)]  # a view of the row made without grad, then its own leaf
+    own.requires_grad_()
+    cases["leaf view"] = (own, list(torch.split(own, lens)))
+    return cases
+
+
+@pytest.mark.parametrize("case", ["strided", "swapped", "copy", "two splits", "slices", "leaf view"])
+def test_lists_that_are_not_one_split_are_concatenated(case):
+    """Only the exact outputs of one split take the no-``cat`` path; anything else gets ``cat``'s values
+    and gradient (a wrong shortcut here would be a silent wrong number or a gradient sent elsewhere)."""
+    lens = [5, 5, 7]
+    leaf, seqs = _not_one_split(lens)[case]
+    packed = prime_rl._cat("trainer_logprobs", seqs, tuple(lens))
+    expected = torch.cat(seqs)  # what the list holds, element by element
+    assert torch.equal(packed, expected)
+    weights = torch.arange(1.0, sum(lens) + 1)
+    (grad,) = torch.autograd.grad((packed * weights).sum(), leaf, retain_graph=True)
+    (grad_expected,) = torch.autograd.grad((expected * weights).sum(), leaf)
+    assert torch.equal(grad, grad_expected)
+
+
+def test_one_split_of_a_squeezed_row_is_read_without_cat():
+    """A model's packed row is ``[1, T]``: the split of ``row[0]`` is read as a view of the row too."""
+    lens = [3, 1, 4]
+    leaf = torch.randn(1, 8, requires_grad=True)
+    row = leaf * 2.0  # [1, T]
+    seqs = list(torch.split(row[0], lens))
+    packed = prime_rl._cat("trainer_logprobs", seqs, tuple(lens))
+    assert packed._base is row and torch.equal(packed, row[0])
+    (grad,) = torch.autograd.grad((packed * torch.arange(8.0)).sum(), leaf)
+    assert torch.equal(grad, 2.0 * torch.arange(8.0)[None])
+    with pytest.raises(ValueError, match=r"trainer_logprobs\[1\] must have shape \(2,\), got \(1,\)"):  # other lengths
+        prime_rl._cat("trainer_logprobs", seqs, (3, 2, 3))
 
 
 def test_list_elements_of_the_wrong_shape_or_type_are_refused():

@@ -87,7 +87,7 @@ def test_bench_native_rows_are_sync_free_and_flat_in_op_count(quick_run):
         eager = [r for r in rows if (r["archetype"], r["variant"]) == (archetype, "eager")]
         assert {r["syncs"] for r in eager} == {0}
         assert len({r["aten_ops"] for r in eager}) == 1  # independent of sequences per bin
-        # prime-rl's list API over consecutive views: no sync, no per-sequence op (no cat of the lists).
+        # prime-rl's list API over split views: no sync, no per-sequence op (one cat per list without grad).
         # It builds its layout inside the call, where repeat_interleave of one length adds a view and
         # an expand: flat from 2 sequences on.
         compat = [r for r in rows if (r["archetype"], r["variant"]) == (archetype, "compat")]

@@ -255,46 +255,96 @@ class _LossFnComponent:
 
 
 def _cat(name: str, seqs: list[Tensor] | None, seq_lens: tuple[int, ...]) -> Tensor | None:
-    """The per-sequence tensors as one ``[N]`` tensor: the tensor they are consecutive views of when
-    they are (checked at C speed, :func:`_consecutive_views`), else validated one by one and ``cat``."""
+    """The per-sequence tensors as one ``[N]`` tensor.
+
+    A list that requires grad and is the output of one ``torch.split`` (what a trainer makes of its
+    packed row) is replaced by the split's input, so the bin's backward has no per-sequence edge
+    (:func:`_split_input`). Any other list is ``torch.cat``'d: for a list without grad, one C++ call
+    costs less than reading the views' metadata would. The element shapes are checked at C speed
+    (``numel`` per element and a 1-D result); only a failing list is walked in Python, to name the
+    element that is wrong."""
     if seqs is None:
         return None
     if len(seqs) != len(seq_lens):
         raise ValueError(f"{name} holds {len(seqs)} sequences, trainer_logprobs {len(seq_lens)}")
-    whole = _consecutive_views(seqs, seq_lens)
-    if whole is not None:
-        return whole
+    if getattr(seqs[0], "requires_grad", False):
+        whole = _split_input(seqs, seq_lens)
+        if whole is not None:
+            return whole
+    try:
+        out = torch.cat(seqs)
+        if out.dim() == 1 and tuple(map(Tensor.numel, seqs)) == seq_lens:
+            return out
+    except (TypeError, RuntimeError):  # the walk below names the element
+        pass
     for i, (t, n) in enumerate(zip(seqs, seq_lens, strict=True)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name}[{i}] must be a torch.Tensor, got {type(t).__name__}")
         if tuple(t.shape) != (n,):
             raise ValueError(f"{name}[{i}] must have shape ({n},), got {tuple(t.shape)}")
-    return torch.cat(list(seqs))
+    return torch.cat(list(seqs))  # elements well formed: any error left is torch's (devices, dtypes)
 
 
-_BASE = operator.attrgetter("_base")
+_GRAD_FN = operator.attrgetter("grad_fn")
+_OUTPUT_NR = operator.attrgetter("output_nr")
+_VIEW_CHAIN_DEPTH = 8  # backward nodes between a split's input and its view root (squeeze, select, view…)
 
 
-def _consecutive_views(seqs: list[Tensor], seq_lens: tuple[int, ...]) -> Tensor | None:
-    """The one tensor ``seqs`` are consecutive ``[n_i]`` views of (as ``torch.split`` of a packed row
-    makes them), as a narrow of their base; None otherwise. Host metadata only: no copy, and the cost
-    of the bin's backward stays flat in the number of sequences (no ``cat``). Every per-element check
-    is a ``map`` of a C method (no Python frame per sequence): the call stays flat as well."""
-    base = getattr(seqs[0], "_base", None)
-    if not isinstance(base, Tensor) or base.dim() != 1 or base.stride(0) != 1:
+def _split_input(seqs: list[Tensor], seq_lens: tuple[int, ...]) -> Tensor | None:
+    """The input of the one ``torch.split(x, seq_lens)`` whose outputs ``seqs`` are, in order, as a
+    narrow of ``x``'s view root; None if they are anything else.
+
+    Read from autograd's metadata, two C-level ``map``s over the list and no Python frame per element:
+    every element has the same ``SplitWithSizesBackward0`` node, at output ``i``; that node split a
+    1-D tensor into exactly ``seq_lens``. Split outputs are views that autograd forbids modifying in
+    place, so they still hold ``x[offset_i : offset_i + n_i]``. The input is rebuilt from the view
+    root (``_base``, contiguous, same dtype) only if the input's gradient reaches that root through
+    view nodes alone: a leaf made from a view (``root[:].requires_grad_()`` under ``no_grad``) keeps its
+    own gradient, and gets ``cat``."""
+    first = seqs[0]
+    node, root = first.grad_fn, first._base
+    if type(node).__name__ != "SplitWithSizesBackward0" or root is None:
         return None
+    sizes = getattr(node, "_saved_split_sizes", None)
+    input_shape = getattr(node, "_saved_self_sym_sizes", None)
+    if sizes != seq_lens or input_shape is None or len(input_shape) != 1:
+        return None
+    if not all(map(operator.is_, map(_GRAD_FN, seqs), itertools.repeat(node))):
+        return None
+    if list(map(_OUTPUT_NR, seqs)) != list(range(len(seqs))):
+        return None
+    if first.stride() != (1,) or root.dtype != first.dtype or not root.is_contiguous():
+        return None
+    if not _reaches(node, root):
+        return None
+    start, total = first.storage_offset() - root.storage_offset(), int(input_shape[0])
+    if start < 0 or start + total > root.numel():
+        return None
+    return root.reshape(-1).narrow(0, start, total)
+
+
+def _reaches(node: object, root: Tensor) -> bool:
+    """Whether the gradient of ``node``'s input flows into ``root``'s graph: following first edges,
+    the walk meets ``root``'s own node (or its ``AccumulateGrad``, for a leaf) within a few steps."""
+    target = root.grad_fn
+    for _ in range(_VIEW_CHAIN_DEPTH):
+        node = node.next_functions[0][0] if node.next_functions else None
+        if node is None:
+            return False
+        if target is not None and node is target:
+            return True
+        if target is None and type(node).__name__ == "AccumulateGrad":
+            return node.variable is root
+    return False
+
+
+def _seq_lens(trainer_logprobs: list[Tensor] | tuple[Tensor, ...]) -> tuple[int, ...]:
+    """The sequence lengths, one C-level ``numel`` per element (the shapes are checked by :func:`_cat`)."""
     try:
-        same_base = all(map(operator.is_, map(_BASE, seqs), itertools.repeat(base)))
-        if not same_base or set(map(Tensor.dim, seqs)) != {1} or not all(map(Tensor.is_contiguous, seqs)):
-            return None
-        numels, offsets = list(map(Tensor.numel, seqs)), list(map(Tensor.storage_offset, seqs))
-    except TypeError:  # an element that is not a Tensor: the caller's checks name it
-        return None
-    ends = list(itertools.accumulate(numels, initial=offsets[0]))  # [S + 1]
-    if numels != list(seq_lens) or ends[:-1] != offsets:
-        return None
-    start = offsets[0] - base.storage_offset()
-    return base.narrow(0, start, ends[-1] - offsets[0])
+        return tuple(map(Tensor.numel, trainer_logprobs))
+    except TypeError:
+        i, t = next((i, t) for i, t in enumerate(trainer_logprobs) if not isinstance(t, Tensor))
+        raise TypeError(f"trainer_logprobs[{i}] must be a torch.Tensor, got {type(t).__name__}") from None
 
 
 def compute_loss(
@@ -320,7 +370,7 @@ def compute_loss(
         raise ValueError("trainer_logprobs must be a non-empty list of per-sequence tensors")
     if not callable(rl_loss_fn):
         raise TypeError(f"rl_loss_fn must be callable, got {type(rl_loss_fn).__name__}")
-    seq_lens = tuple(t.shape[0] for t in trainer_logprobs)
+    seq_lens = _seq_lens(trainer_logprobs)
     streams = {
         name: _cat(name, seqs, seq_lens)
         for name, seqs in dict(

@@ -7,8 +7,8 @@ and each packing density (sequences per bin), three implementations run on the s
   called before prime-rl PR #2951, over per-sequence views of the bin's streams;
 * ``eager`` — the native engine, ``compute_loss(plan, Outputs(logprobs=trn), denominators)``;
 * ``compat`` — :func:`packloss.compat.prime_rl.compute_loss`, prime-rl's list API on packloss's engine,
-  over per-sequence views (consecutive views of one tensor, as a trainer's split of one packed row,
-  split outside the timed step): its time at 256 sequences ÷ at 1 shows what the lists cost per
+  over per-sequence views (a trainer's ``torch.split`` of each packed stream, split outside the timed
+  step): its time at 256 sequences ÷ at 1 shows what the lists cost per
   sequence;
 * ``compiled`` — the same call under ``torch.compile`` (forward compiled by dynamo/inductor, backward
   by AOTAutograd). ``first_call_s`` is the wall time of the first forward+backward at that packing
@@ -121,8 +121,8 @@ def _reference_step(streams: Streams) -> Callable[[], None]:
 def _compat_step(streams: Streams) -> Callable[[], None]:
     """Forward+backward of ``packloss.compat.prime_rl.compute_loss`` over per-sequence views of the
     streams, all split once outside the step: the trainer's ``torch.split`` is the trainer's cost, and
-    compat reads the views' base, never their per-view graph (the split of 256 sequences, timed alone,
-    is in docs/benchmarks.md)."""
+    compat reads the trainer log-probs' split input, never their per-view graph (the split of 256
+    sequences, timed alone, is in docs/benchmarks.md)."""
     lists = streams.lists()
     scales = streams.integer_scales()
     rl_loss_fn = prime_rl.setup_rl_loss_fn(DefaultLossConfig())
