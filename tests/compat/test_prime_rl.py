@@ -275,3 +275,15 @@ def test_tensor_scales_equal_int_scales_and_bad_inputs_name_the_argument():
         prime_rl.compute_loss(**lists, **{**ints, "rl_scale": float("inf")}, rl_loss_fn=fn)
     with pytest.raises(ValueError, match="trainer_logprobs must be a non-empty list"):
         prime_rl.compute_loss(**{**lists, "trainer_logprobs": []}, **ints, rl_loss_fn=fn)
+
+
+def test_trainer_lengths_come_from_the_list_unless_it_is_the_whole_split():
+    """The split's own sizes stand in for a scan of ``trainer_logprobs`` only when the list is every
+    output of that split: a prefix of it has its own lengths and total."""
+    row = torch.randn(12, requires_grad=True) * 1.0
+    whole, lens = prime_rl._packed_trainer(list(torch.split(row, [3, 4, 5])))
+    assert lens == (3, 4, 5) and whole._base is row
+    prefix, lens = prime_rl._packed_trainer(list(torch.split(row, [3, 4, 5])[:2]))
+    assert lens == (3, 4) and torch.equal(prefix, row[:7])
+    with pytest.raises(TypeError, match=r"trainer_logprobs\[1\] must be a torch.Tensor, got list"):
+        prime_rl._packed_trainer([row[:3], [0.0]])

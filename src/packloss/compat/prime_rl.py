@@ -259,10 +259,8 @@ def _cat(name: str, seqs: list[Tensor] | None, seq_lens: tuple[int, ...]) -> Ten
 
     A list that requires grad and is the output of one ``torch.split`` (what a trainer makes of its
     packed row) is replaced by the split's input, so the bin's backward has no per-sequence edge
-    (:func:`_split_input`). Any other list is ``torch.cat``'d: for a list without grad, one C++ call
-    costs less than reading the views' metadata would. The element shapes are checked at C speed
-    (``numel`` per element and a 1-D result); only a failing list is walked in Python, to name the
-    element that is wrong."""
+    (:func:`_split_input`). Any other list is ``torch.cat``'d (:func:`_concatenate`): for a list without
+    grad, one C++ call costs less than reading the views' metadata would."""
     if seqs is None:
         return None
     if len(seqs) != len(seq_lens):
@@ -271,6 +269,12 @@ def _cat(name: str, seqs: list[Tensor] | None, seq_lens: tuple[int, ...]) -> Ten
         whole = _split_input(seqs, seq_lens)
         if whole is not None:
             return whole
+    return _concatenate(name, seqs, seq_lens)
+
+
+def _concatenate(name: str, seqs: list[Tensor], seq_lens: tuple[int, ...]) -> Tensor:
+    """``torch.cat(seqs)``, every element checked to be ``[n_i]`` at C speed (``numel`` per element and
+    a 1-D result); only a failing list is walked in Python, to name the element that is wrong."""
     try:
         out = torch.cat(seqs)
         if out.dim() == 1 and tuple(map(Tensor.numel, seqs)) == seq_lens:
@@ -307,7 +311,7 @@ def _split_input(seqs: list[Tensor], seq_lens: tuple[int, ...]) -> Tensor | None
         return None
     sizes = getattr(node, "_saved_split_sizes", None)
     input_shape = getattr(node, "_saved_self_sym_sizes", None)
-    if sizes != seq_lens or input_shape is None or len(input_shape) != 1:
+    if sizes != seq_lens or len(seqs) != len(sizes) or input_shape is None or len(input_shape) != 1:
         return None
     if not all(map(operator.is_, map(_GRAD_FN, seqs), itertools.repeat(node))):
         return None
@@ -338,13 +342,20 @@ def _reaches(node: object, root: Tensor) -> bool:
     return False
 
 
-def _seq_lens(trainer_logprobs: list[Tensor] | tuple[Tensor, ...]) -> tuple[int, ...]:
-    """The sequence lengths, one C-level ``numel`` per element (the shapes are checked by :func:`_cat`)."""
+def _packed_trainer(seqs: list[Tensor] | tuple[Tensor, ...]) -> tuple[Tensor, tuple[int, ...]]:
+    """``trainer_logprobs`` as one ``[N]`` tensor, and the sequence lengths: those of the split that
+    made the list when it is one (:func:`_split_input`; nothing to scan), else one C-level ``numel`` per
+    element (the shapes are then checked by :func:`_concatenate`)."""
+    sizes = getattr(getattr(seqs[0], "grad_fn", None), "_saved_split_sizes", None)
+    whole = None if sizes is None else _split_input(seqs, tuple(sizes))
+    if whole is not None:
+        return whole, tuple(sizes)
     try:
-        return tuple(map(Tensor.numel, trainer_logprobs))
+        seq_lens = tuple(map(Tensor.numel, seqs))
     except TypeError:
-        i, t = next((i, t) for i, t in enumerate(trainer_logprobs) if not isinstance(t, Tensor))
+        i, t = next((i, t) for i, t in enumerate(seqs) if not isinstance(t, Tensor))
         raise TypeError(f"trainer_logprobs[{i}] must be a torch.Tensor, got {type(t).__name__}") from None
+    return _concatenate("trainer_logprobs", seqs, seq_lens), seq_lens
 
 
 def compute_loss(
@@ -370,11 +381,10 @@ def compute_loss(
         raise ValueError("trainer_logprobs must be a non-empty list of per-sequence tensors")
     if not callable(rl_loss_fn):
         raise TypeError(f"rl_loss_fn must be callable, got {type(rl_loss_fn).__name__}")
-    seq_lens = _seq_lens(trainer_logprobs)
-    streams = {
+    trainer, seq_lens = _packed_trainer(trainer_logprobs)
+    streams = {"trainer_logprobs": trainer} | {
         name: _cat(name, seqs, seq_lens)
         for name, seqs in dict(
-            trainer_logprobs=trainer_logprobs,
             inference_logprobs=inference_logprobs,
             ref_logprobs=ref_logprobs,
             advantages=advantages,
