@@ -17,7 +17,7 @@ from packloss.tools.cli import run_suite
 TINY = peers.Sizes(
     rl_tokens=96,
     rl_seqs=5,
-    rl_compiled=False,
+    compiled=False,
     rl_warmup=1,
     rl_repeat=2,
     fused=(32, 16, 128),
@@ -166,3 +166,20 @@ def test_trl_fused_head_agrees_with_the_materialised_head():
 def test_cuda_is_refused():
     with pytest.raises(ValueError, match="CPU only"):
         peers.run("cuda", True)
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_compiled_distill_row_only_with_compiled_columns_and_every_packloss_row_has_ratios(monkeypatch, compiled):
+    """``packloss_fused_compiled`` (``impl="compiled"``, Liger's setting) runs only with compiled columns;
+    each packloss row is divided by each peer row (wiring only: agreement and timing are stubbed)."""
+    times = {"naive_eager": 8.0, "packloss_fused": 6.0, "packloss_fused_compiled": 5.0, "liger_compiled": 5.5}
+    monkeypatch.setattr(peers, "_import", lambda module: (object(), None))  # Liger need not be installed
+    monkeypatch.setattr(peers, "check_fused", lambda kind, variants, *a: {v: 0.0 for v in variants[1:]})
+    monkeypatch.setattr(
+        peers, "run_fresh", lambda target, kw: {"time_ms": times[kw["variant"]], "peak_bytes": 10, "value": 0.0}
+    )
+    rows = {r["variant"]: r for r in peers.run_fused("distill", (8, 4, 16), (8, 4, 16), 1, "cpu", print, [], compiled)}
+    ours = ["packloss_fused", "packloss_fused_compiled"] if compiled else ["packloss_fused"]
+    assert sorted(rows) == sorted(["naive_eager", "liger_compiled", *ours])
+    for variant in ours:
+        assert rows[variant]["time_vs_liger_compiled"] == pytest.approx(times[variant] / 5.5)

@@ -34,8 +34,9 @@ note in ``result["notes"]`` (and no row). Ratios are packloss ÷ peer, measured 
 * ``distill``: generalised JSD (``β = 0.5``) of a student head against a teacher head, token mean over the
   members (about 10% of the tokens ignored), forward+backward w.r.t. the student's hidden and weight:
   ``naive_eager`` (materialised), ``packloss_fused`` (:func:`packloss.vocab.linear_distill`,
-  ``kind="jsd"``), ``liger_compiled`` (Liger's ``chunked_loss.LigerFusedLinearJSDLoss``, torch path,
-  ``compiled=True``, no hard loss).
+  ``kind="jsd"``, the CPU default ``impl="eager"``), ``packloss_fused_compiled`` (the same with
+  ``impl="compiled"``, as Liger's row is; not under ``--quick``), ``liger_compiled`` (Liger's
+  ``chunked_loss.LigerFusedLinearJSDLoss``, torch path, ``compiled=True``, no hard loss).
 
   ``head`` and ``distill`` run each variant in a fresh process (:func:`~._measure.run_fresh`): peak
   memory as in the ``head`` suite, then the median of ``repeat`` calls. Before any timing every variant's
@@ -323,7 +324,13 @@ HEAD_VARIANTS = {
     "cce_torch_compile": "cut_cross_entropy",
     "trl_chunked": "trl.kernels",
 }
-DISTILL_VARIANTS = {"naive_eager": None, "packloss_fused": None, "liger_compiled": "liger_kernel.chunked_loss"}
+DISTILL_VARIANTS = {
+    "naive_eager": None,
+    "packloss_fused": None,
+    "packloss_fused_compiled": None,
+    "liger_compiled": "liger_kernel.chunked_loss",
+}
+_COMPILED_VARIANTS = {"packloss_fused_compiled"}  # left out when the suite runs without compiled columns
 
 
 def _head_inputs(n: int, h: int, v: int, device: str, seed: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -383,15 +390,17 @@ def distill_fn(variant: str) -> Callable[..., Tensor]:
     """``(hidden, weight, teacher_hidden, teacher_weight, labels) -> loss`` (0-d) of one distill variant."""
     if variant == "naive_eager":
         return _naive_jsd
-    if variant == "packloss_fused":
+    if variant in ("packloss_fused", "packloss_fused_compiled"):
         from packloss.vocab import linear_distill
+
+        impl = "compiled" if variant == "packloss_fused_compiled" else None  # None: the CPU default, eager
 
         def fused(hd: Tensor, w: Tensor, th: Tensor, tw: Tensor, y: Tensor) -> Tensor:
             members = y != -100
             coef = members.float() / members.sum().clamp(min=1)
             return linear_distill(
                 hd, w, teacher_hidden=th, teacher_weight=tw, kind="jsd", beta=JSD_BETA, loss_mask=members,
-                coefficients=coef,
+                coefficients=coef, impl=impl,
             )[0]  # fmt: skip
 
         return fused
@@ -451,11 +460,14 @@ def measure_fused(kind: str, variant: str, n: int, h: int, v: int, device: str, 
 
 
 def run_fused(kind: str, shape: tuple[int, int, int], check_shape: tuple[int, int, int], repeat: int, device: str,
-              progress, notes: list[str]) -> list[dict]:  # fmt: skip
-    """``head`` or ``distill``: the variants whose modules import, checked, then each in a fresh process."""
+              progress, notes: list[str], compiled: bool = True) -> list[dict]:  # fmt: skip
+    """``head`` or ``distill``: the variants whose modules import (packloss's compiled ones only with
+    ``compiled``), checked, then each in a fresh process; every packloss row gets its ratios to each peer."""
     table = HEAD_VARIANTS if kind == "head" else DISTILL_VARIANTS
     variants = []
     for variant, module in table.items():
+        if variant in _COMPILED_VARIANTS and not compiled:
+            continue
         why = None if module is None else _import(module)[1]
         if why is None:
             variants.append(variant)
@@ -476,11 +488,10 @@ def run_fused(kind: str, shape: tuple[int, int, int], check_shape: tuple[int, in
         row["time_vs_naive"] = row["time_ms"] / naive["time_ms"]
         row["peak_vs_naive"] = row["peak_bytes"] / max(naive["peak_bytes"], 1)
         row["max_rel_err"] = errors[row["variant"]]
-    by_variant = {r["variant"]: r for r in rows}
-    ours = by_variant.get("packloss_fused")
-    for peer in (r for r in rows if table[r["variant"]] is not None and ours is not None):
-        ours[f"time_vs_{peer['variant']}"] = ours["time_ms"] / peer["time_ms"]
-        ours[f"peak_vs_{peer['variant']}"] = ours["peak_bytes"] / max(peer["peak_bytes"], 1)
+    for ours in (r for r in rows if r["variant"].startswith("packloss_")):
+        for peer in (r for r in rows if table[r["variant"]] is not None):
+            ours[f"time_vs_{peer['variant']}"] = ours["time_ms"] / peer["time_ms"]
+            ours[f"peak_vs_{peer['variant']}"] = ours["peak_bytes"] / max(peer["peak_bytes"], 1)
     return rows
 
 
@@ -491,12 +502,12 @@ def run_fused(kind: str, shape: tuple[int, int, int], check_shape: tuple[int, in
 
 @dataclass(frozen=True)
 class Sizes:
-    """RL tokens / sequences / compiled column / warm-up / repeats; head and distill ``(N, H, V)`` timed
-    and checked, and their repeats."""
+    """RL tokens / sequences / compiled columns and variants / warm-up / repeats; head and distill
+    ``(N, H, V)`` timed and checked, and their repeats."""
 
     rl_tokens: int
     rl_seqs: int
-    rl_compiled: bool
+    compiled: bool
     rl_warmup: int
     rl_repeat: int
     fused: tuple[int, int, int]
@@ -521,9 +532,9 @@ def run(device: str, quick: bool, progress: Callable[[str], None] | None = None,
     s = size or sizes(quick)
     report = progress or (lambda _description: None)
     notes: list[str] = []
-    rows = run_rl(s.rl_tokens, s.rl_seqs, s.rl_compiled, s.rl_warmup, s.rl_repeat, report, notes)
+    rows = run_rl(s.rl_tokens, s.rl_seqs, s.compiled, s.rl_warmup, s.rl_repeat, report, notes)
     for kind in ("head", "distill"):
-        rows.extend(run_fused(kind, s.fused, s.fused_check, s.fused_repeat, device, report, notes))
+        rows.extend(run_fused(kind, s.fused, s.fused_check, s.fused_repeat, device, report, notes, s.compiled))
     return {
         "rows": rows,
         "notes": notes,
