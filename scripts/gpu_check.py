@@ -2,14 +2,16 @@
 
     make bench-gpu            # = python scripts/gpu_check.py --out bench-out-gpu
 
-On a machine with CUDA it (1) runs every engine archetype (DPPO), the
-per-token divergences, ``linear_logprobs``, ``linear_distill`` and the ``VocabDistill`` component
-forward+backward under ``torch.cuda.set_sync_debug_mode("error")`` — any device→host sync raises;
-(2) compares compat's gradients (DPPO) with the per-sequence reference on the GPU; (3) runs
-``packloss bench all --device cuda`` (with ``--quick`` when asked) and (4) replaces the text between
-the ``<!-- gpu-run -->`` markers of docs/benchmarks.md with the run's date, GPU, torch version and the
-suites' tables. Without CUDA it exits 2 at once. Not yet run on a GPU: none was lent to the session
-that wrote it, so its CUDA paths are unexercised (the section writer was tried on a CPU results.json).
+On a machine with CUDA it (1) runs every engine archetype (DPPO), the per-token divergences,
+``linear_logprobs``, ``linear_distill`` and the ``VocabDistill`` component forward+backward under
+``torch.cuda.set_sync_debug_mode("error")`` — any device→host sync raises — and records whether the
+``torch.compile``d engine step is sync-free under the same mode; (2) compares compat's gradients (DPPO)
+with the per-sequence reference on the GPU; (3) runs ``packloss bench all --device cuda`` (with
+``--quick`` when asked) and (4) replaces the text between the ``<!-- gpu-run -->`` markers of
+docs/benchmarks.md with the run's date, GPU, torch version and the suites' tables. Without CUDA it exits
+2 at once. Not yet run on a GPU: none was lent to the sessions that wrote it, so its CUDA paths are
+unexercised (the section writer was tried on a CPU results.json; the compiled check on CPU with the
+``torch.cuda`` calls stubbed).
 """
 
 from __future__ import annotations
@@ -69,6 +71,29 @@ def sync_free_checks(device: str) -> list[str]:
     return checked
 
 
+def compiled_sync_check(device: str) -> str:
+    """The ``torch.compile``d engine step (hot archetype, DPPO) under sync debugging "error", after a
+    first call that compiles: ``"sync-free"`` or the first line of the error. Recorded, not raised: on CPU
+    dynamo guards 0-d float tensors by value (an ``item()`` per call), which should not happen on CUDA."""
+    from packloss import DPPO, compute_loss, count_denominators
+    from packloss.testing import make_archetype, random_seq_lens
+
+    streams = make_archetype("hot", random_seq_lens(4096, 64, torch.Generator().manual_seed(0)), seed=1, device=device)
+    plan = streams.plan(DPPO)
+    den, outputs = count_denominators([plan]), streams.outputs()
+    step = torch.compile(lambda: compute_loss(plan, outputs, den).loss)
+    step().backward()  # compiles, outside the checked region
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step().backward()
+        return "sync-free"
+    except RuntimeError as exc:
+        return f"syncs: {str(exc).splitlines()[0]}"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def compat_matches_reference(device: str) -> dict[str, bool]:
     """compat vs the per-sequence reference on the GPU: gradient equality per archetype."""
     from packloss.compat import prime_rl
@@ -87,7 +112,7 @@ def compat_matches_reference(device: str) -> dict[str, bool]:
     return out
 
 
-def write_section(results: dict, checked: list[str], compat: dict[str, bool], doc: Path) -> None:
+def write_section(results: dict, checked: list[str], compiled: str, compat: dict[str, bool], doc: Path) -> None:
     """Replace the marked GPU section of ``doc`` with this run's figures."""
     from packloss.tools.bench.report import table_rows
 
@@ -98,7 +123,8 @@ def write_section(results: dict, checked: list[str], compat: dict[str, bool], do
         f"{machine.get('gpu', machine.get('device'))} · torch {machine.get('torch')} · `scripts/gpu_check.py`"
         f"{' --quick' if results['options']['quick'] else ''}",
         "",
-        f"Sync-free under `torch.cuda.set_sync_debug_mode(\"error\")`: {', '.join(checked)}.",
+        f'Sync-free under `torch.cuda.set_sync_debug_mode("error")`: {", ".join(checked)}.',
+        f"The `torch.compile`d engine step (hot) under the same mode: {compiled}.",
         "compat gradients `torch.equal` to the per-sequence reference on the GPU: "
         + ", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in compat.items())
         + ".",
@@ -130,13 +156,15 @@ def main() -> int:
         return 2
     checked = sync_free_checks("cuda")
     print("sync-free:", ", ".join(checked), flush=True)
+    compiled = compiled_sync_check("cuda")
+    print("compiled engine step:", compiled, flush=True)
     compat = compat_matches_reference("cuda")
     print("compat == reference:", compat, flush=True)
     bench = [sys.executable, "-m", "packloss", "bench", "all", "--device", "cuda", "--out", str(args.out)]
     code = subprocess.run(bench + (["--quick"] if args.quick else []), cwd=ROOT).returncode
     results = json.loads((args.out / "results.json").read_text())
     if not args.no_write:
-        write_section(results, checked, compat, ROOT / "docs" / "benchmarks.md")
+        write_section(results, checked, compiled, compat, ROOT / "docs" / "benchmarks.md")
     return code or (0 if all(compat.values()) else 1)
 
 
