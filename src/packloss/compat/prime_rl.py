@@ -7,7 +7,9 @@ Switch by changing one import::
 
 ``compute_loss`` keeps its signature (lists of per-sequence tensors) but concatenates the bin and
 runs every component once over it, with no device→host sync. Gradients equal the per-sequence
-implementation's bit for bit; the loss equals it up to summation order.
+implementation's bit for bit; the loss equals it up to summation order. A ``trainer_logprobs`` list
+made by one ``torch.split`` of a packed row (as a trainer makes it) is read as that row, so the
+backward has no per-sequence edge; the other lists are concatenated in one call each.
 
 Differences a caller can see, as PR #2951 states them:
 
