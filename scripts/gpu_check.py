@@ -2,6 +2,12 @@
 
     make bench-gpu            # = python scripts/gpu_check.py --out bench-out-gpu
 
+On a GPU machine that has a CUDA torch but no network (no ``make setup`` there), run it from the source
+tree and bring the out folder back; then write the section where the repository lives::
+
+    PYTHONPATH=src python3 scripts/gpu_check.py --out OUT --no-write     # on the GPU machine
+    python scripts/gpu_check.py --from OUT                               # here: docs/benchmarks.md
+
 On a machine with CUDA it (1) runs every engine archetype (DPPO), the per-token divergences,
 ``linear_logprobs``, ``linear_distill`` and the ``VocabDistill`` component forward+backward under
 ``torch.cuda.set_sync_debug_mode("error")`` — any device→host sync raises — and records whether the
@@ -27,6 +33,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 MARK_BEGIN, MARK_END = "<!-- gpu-run -->", "<!-- /gpu-run -->"
+CHECKS_FILE = "gpu_checks.json"  # the checks' outcome, beside the suites' results.json in --out
 
 
 def sync_free_checks(device: str) -> list[str]:
@@ -112,6 +119,13 @@ def compat_matches_reference(device: str) -> dict[str, bool]:
     return out
 
 
+def _run_date(machine: dict) -> str:
+    """The run's own date (``results.json``'s machine info, UTC), else now: ``YYYY-MM-DD HH:MM``."""
+    when = machine.get("date")
+    moment = datetime.datetime.fromisoformat(when) if when else datetime.datetime.now(datetime.timezone.utc)
+    return f"{moment:%Y-%m-%d %H:%M}"
+
+
 def write_section(results: dict, checked: list[str], compiled: str, compat: dict[str, bool], doc: Path) -> None:
     """Replace the marked GPU section of ``doc`` with this run's figures."""
     from packloss.tools.bench.report import table_rows
@@ -119,7 +133,7 @@ def write_section(results: dict, checked: list[str], compiled: str, compat: dict
     machine = results["machine"]
     lines = [
         MARK_BEGIN,
-        f"**Run recorded:** {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC · "
+        f"**Run recorded:** {_run_date(machine)} UTC · "
         f"{machine.get('gpu', machine.get('device'))} · torch {machine.get('torch')} · `scripts/gpu_check.py`"
         f"{' --quick' if results['options']['quick'] else ''}",
         "",
@@ -150,7 +164,18 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench-out-gpu"))
     parser.add_argument("--quick", action="store_true", help="the suites' quick plans (a smoke run)")
     parser.add_argument("--no-write", action="store_true", help="do not edit docs/benchmarks.md")
+    parser.add_argument(
+        "--from", dest="source", type=Path, metavar="DIR",
+        help="run nothing: write docs/benchmarks.md's GPU section from DIR's results.json and gpu_checks.json "
+        "(the --out folder of a run on another machine)",
+    )  # fmt: skip
     args = parser.parse_args()
+    doc = ROOT / "docs" / "benchmarks.md"
+    if args.source is not None:
+        checks = json.loads((args.source / CHECKS_FILE).read_text())
+        results = json.loads((args.source / "results.json").read_text())
+        write_section(results, checks["checked"], checks["compiled"], checks["compat"], doc)
+        return 0
     if not torch.cuda.is_available():
         print("gpu_check: error: CUDA is not available on this machine", file=sys.stderr)
         return 2
@@ -160,11 +185,14 @@ def main() -> int:
     print("compiled engine step:", compiled, flush=True)
     compat = compat_matches_reference("cuda")
     print("compat == reference:", compat, flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    checks = {"checked": checked, "compiled": compiled, "compat": compat}
+    (args.out / CHECKS_FILE).write_text(json.dumps(checks, indent=2) + "\n")
     bench = [sys.executable, "-m", "packloss", "bench", "all", "--device", "cuda", "--out", str(args.out)]
     code = subprocess.run(bench + (["--quick"] if args.quick else []), cwd=ROOT).returncode
     results = json.loads((args.out / "results.json").read_text())
     if not args.no_write:
-        write_section(results, checked, compiled, compat, ROOT / "docs" / "benchmarks.md")
+        write_section(results, checked, compiled, compat, doc)
     return code or (0 if all(compat.values()) else 1)
 
 
