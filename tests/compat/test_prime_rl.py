@@ -287,3 +287,25 @@ def test_trainer_lengths_come_from_the_list_unless_it_is_the_whole_split():
     assert lens == (3, 4) and torch.equal(prefix, row[:7])
     with pytest.raises(TypeError, match=r"trainer_logprobs\[1\] must be a torch.Tensor, got list"):
         prime_rl._packed_trainer([row[:3], [0.0]])
+
+
+def test_prime_rl_call_site_tuples_of_a_squeezed_row_take_the_split_path():
+    """prime-rl's trainer passes ``out["logprobs"].squeeze().split(sequence_lengths)`` (a tuple of views
+    of a ``[1, T]`` row) and the other streams alike: the trainer stream needs no ``cat`` and the
+    gradient equals the per-sequence reference's bit for bit."""
+    batch = bin_of("opd", num_tokens=300, num_seqs=12)
+    lens = list(batch.seq_lens)
+    row = (batch.trainer_logprobs * 1.0).view(1, -1)  # [1, T], a model output with a graph
+    streams = {k: v for k, v in batch.lists().items() if k != "trainer_logprobs"}
+    tuples = {
+        k: None if v is None else tuple(torch.cat(v).view(1, -1).squeeze().split(lens)) for k, v in streams.items()
+    }
+    trn = row.squeeze().split(lens)
+    fn, ref_fn = prime_rl.setup_rl_loss_fn(CONFIGS["dppo"]), reference.setup_rl_loss_fn(CONFIGS["dppo"])
+    with OpCounter() as counter:
+        loss, _ = prime_rl.compute_loss(trn, **tuples, rl_loss_fn=fn, **batch.integer_scales())
+    assert counter.ops["aten.cat"] == sum(v is not None for v in tuples.values())  # none for the trainer
+    (grad,) = torch.autograd.grad(loss, batch.trainer_logprobs, retain_graph=True)  # the row's graph is shared
+    loss_ref, _ = reference.compute_loss(list(trn), **tuples, rl_loss_fn=ref_fn, **batch.integer_scales())
+    (grad_ref,) = torch.autograd.grad(loss_ref, batch.trainer_logprobs)
+    assert torch.equal(grad, grad_ref)
