@@ -61,8 +61,8 @@ def test_bench_json_schema(quick_run):
     assert "error" not in result
     sched = loss_suite.schedule(quick=True)
     rows = result["rows"]
-    # reference, compat and eager for every archetype and packing, + compiled hot
-    expected = len(loss_suite.ARCHETYPES) * len(sched.seq_counts) * 3 + len(sched.seq_counts)
+    # reference, compat, compat_floor and eager for every archetype and packing, + compiled hot
+    expected = len(loss_suite.ARCHETYPES) * len(sched.seq_counts) * 4 + len(sched.seq_counts)
     assert len(rows) == expected
     for row in rows:
         for key, kind in ROW_FIELDS.items():
@@ -90,9 +90,13 @@ def test_bench_native_rows_are_sync_free_and_flat_in_op_count(quick_run):
         # prime-rl's list API over split views: no sync, no per-sequence op (one cat per list without grad).
         # It builds its layout inside the call, where repeat_interleave of one length adds a view and
         # an expand: flat from 2 sequences on.
-        compat = [r for r in rows if (r["archetype"], r["variant"]) == (archetype, "compat")]
-        assert {r["syncs"] for r in compat} == {0}
-        assert len({r["aten_ops"] for r in compat if r["num_seqs"] > 1}) == 1, [r["aten_ops"] for r in compat]
+        for variant in ("compat", "compat_floor"):
+            mine = [r for r in rows if (r["archetype"], r["variant"]) == (archetype, variant)]
+            assert {r["syncs"] for r in mine} == {0}
+            assert len({r["aten_ops"] for r in mine if r["num_seqs"] > 1}) == 1, (
+                variant,
+                [r["aten_ops"] for r in mine],
+            )
 
 
 def test_bench_op_counts_equal_the_counters_own(quick_run):
@@ -120,6 +124,19 @@ def test_bench_native_step_equals_the_reference():
     (grad_ref,) = torch.autograd.grad(loss_ref, streams.trainer_logprobs)
     torch.testing.assert_close(loss, loss_ref, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(grad, grad_ref, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("archetype", loss_suite.ARCHETYPES)
+def test_bench_compat_floor_computes_what_compat_computes(archetype):
+    """The floor row reads the lists unchecked but runs compat's own plan and engine: the same loss and
+    gradient bit for bit, so compat ÷ floor is the cost of reading the lists and nothing else."""
+    streams = loss_suite.bin_for(archetype, 512, 16, "cpu")
+    results = []
+    for make in (loss_suite._compat_step, loss_suite._compat_floor_step):
+        make(streams)()
+        results.append(streams.trainer_logprobs.grad.clone())
+    assert torch.equal(results[0], results[1])
+    assert results[0].abs().sum() > 0
 
 
 def test_bench_plots_are_valid_pngs(quick_run):

@@ -396,6 +396,20 @@ def compute_loss(
             ref_kl_weights=ref_kl_weights,
         ).items()
     }
+    return _packed_loss(streams, seq_lens, rl_loss_fn, rl_scale, ce_scale, ref_kl_scale)
+
+
+def _packed_loss(
+    streams: dict[str, Tensor | None],
+    seq_lens: tuple[int, ...],
+    rl_loss_fn: LossFn,
+    rl_scale: int,
+    ce_scale: int,
+    ref_kl_scale: int,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """:func:`compute_loss` once its lists are read: ``streams`` maps each of its list arguments'
+    names to the packed ``[N]`` tensor (or None), ``seq_lens`` the sequence lengths. The benchmark
+    calls it to time what reading the lists costs on its own."""
     for name in ("inference_logprobs", "advantages", "loss_mask"):
         if streams[name] is None:
             raise ValueError(f"{name} is required (a list of per-sequence tensors), got None")

@@ -10,6 +10,10 @@ and each packing density (sequences per bin), three implementations run on the s
   over per-sequence views (a trainer's ``torch.split`` of each packed stream, split outside the timed
   step): its time at 256 sequences ÷ at 1 shows what the lists cost per
   sequence;
+* ``compat_floor`` — the same computation with the lists read the cheapest way and nothing checked:
+  each list without grad ``torch.cat``'d, the trainer log-probs' packed row and the lengths taken as
+  given, then compat's plan and engine (``prime_rl._packed_loss``). What any list API pays at least;
+  ``compat`` ÷ ``compat_floor`` is what compat's list checks cost. Timed round-robin with ``compat``;
 * ``compiled`` — the same call under ``torch.compile`` (forward compiled by dynamo/inductor, backward
   by AOTAutograd). ``first_call_s`` is the wall time of the first forward+backward at that packing
   (compilation, or a recompilation when a guard failed, included); ``graphs`` is the number of
@@ -35,6 +39,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -51,7 +56,7 @@ from packloss.tools.bench._measure import time_ms
 __all__ = ["ARCHETYPES", "VARIANTS", "Schedule", "schedule", "bin_for", "NativeBin", "native_bin", "native_step", "run"]
 
 ARCHETYPES = ("hot", "opd", "echo", "sdft")
-VARIANTS = ("reference", "compat", "eager", "compiled")
+VARIANTS = ("reference", "compat", "compat_floor", "eager", "compiled")
 
 
 @dataclass(frozen=True)
@@ -136,6 +141,24 @@ def _compat_step(streams: Streams) -> Callable[[], None]:
     return step
 
 
+def _compat_floor_step(streams: Streams) -> Callable[[], None]:
+    """Forward+backward of compat's plan and engine with the lists read unchecked: ``torch.cat`` of
+    each list without grad, the trainer log-probs' packed row and ``seq_lens`` as given (what a list
+    API cannot do with less)."""
+    lists = {k: v for k, v in streams.lists().items() if k != "trainer_logprobs"}
+    scales = streams.integer_scales()
+    rl_loss_fn = prime_rl.setup_rl_loss_fn(DefaultLossConfig())
+    trn, seq_lens = streams.trainer_logprobs, streams.seq_lens
+
+    def step() -> None:
+        trn.grad = None
+        packed = {k: None if v is None else torch.cat(v) for k, v in lists.items()}
+        loss, _ = prime_rl._packed_loss({"trainer_logprobs": trn, **packed}, seq_lens, rl_loss_fn, **scales)
+        loss.backward()
+
+    return step
+
+
 def _native_step(fn: Callable[[Plan, Tensor, StepDenominators], Tensor], b: NativeBin) -> Callable[[], None]:
     def step() -> None:
         b.trainer_logprobs.grad = None
@@ -183,13 +206,13 @@ class _Compiled:
     graphs_before: int
 
 
-def _interleaved_ms(steps: dict[int, Callable[[], None]], device: str, warmup: int, repeat: int) -> dict[int, float]:
+def _interleaved_ms(steps: dict[Any, Callable[[], None]], device: str, warmup: int, repeat: int) -> dict[Any, float]:
     """Median ms of each step, timed round-robin (one call of each per round) so that a burst of
     load from other processes hits every packing alike instead of one packing's whole measurement."""
     if warmup > 0:
         for step in steps.values():
             time_ms(step, device, warmup=warmup - 1, repeat=1)
-    times: dict[int, list[float]] = {k: [] for k in steps}
+    times: dict[Any, list[float]] = {k: [] for k in steps}
     for _ in range(repeat):
         for k, step in steps.items():
             times[k].append(time_ms(step, device, warmup=0, repeat=1))
@@ -228,11 +251,12 @@ def _measure_archetype(
         rows["eager", s] = _row(archetype, bins[s], "eager", t, aten_ops=ops, syncs=syncs)
 
     progress(f"loss {archetype} compat")
-    compat = {s: _compat_step(streams) for s, streams in bins.items()}
-    compat_counts = {s: _count_ops(step) for s, step in compat.items()}
-    for s, t in _interleaved_ms(compat, device, p.warmup, p.repeat).items():
-        ops, syncs = compat_counts[s]
-        rows["compat", s] = _row(archetype, bins[s], "compat", t, aten_ops=ops, syncs=syncs)
+    makers = {"compat": _compat_step, "compat_floor": _compat_floor_step}
+    lists = {(v, s): make(streams) for v, make in makers.items() for s, streams in bins.items()}
+    list_counts = {key: _count_ops(step) for key, step in lists.items()}
+    for (v, s), t in _interleaved_ms(lists, device, p.warmup, p.repeat).items():
+        ops, syncs = list_counts[v, s]
+        rows[v, s] = _row(archetype, bins[s], v, t, aten_ops=ops, syncs=syncs)
 
     if compiled is not None:
         steps = {s: _native_step(compiled.fn, b) for s, b in native.items()}
@@ -257,7 +281,7 @@ def summarise(rows: list[dict]) -> dict[str, dict[str, float]]:
         mine = [r for r in rows if r["archetype"] == archetype]
         s_min, s_max = min(r["num_seqs"] for r in mine), max(r["num_seqs"] for r in mine)
         times = {(r["variant"], r["num_seqs"]): r["time_ms"] for r in mine}
-        for variant in ("compat", "eager", "compiled"):
+        for variant in ("compat", "compat_floor", "eager", "compiled"):
             if (variant, s_max) in times and (variant, s_min) in times:
                 out.setdefault(archetype, {})[f"{variant}_speedup_at_{s_max}"] = (
                     times[("reference", s_max)] / times[(variant, s_max)]

@@ -213,7 +213,13 @@ def _plot_loss_times(rows: list[dict], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 5.5))
-    styles = {"reference": ("o", "-"), "compat": ("d", "-."), "eager": ("s", "--"), "compiled": ("^", ":")}
+    styles = {
+        "reference": ("o", "-"),
+        "compat": ("d", "-."),
+        "compat_floor": ("v", "-."),
+        "eager": ("s", "--"),
+        "compiled": ("^", ":"),
+    }
     archetypes = list(dict.fromkeys(r["archetype"] for r in rows))
     for variant in dict.fromkeys(r["variant"] for r in rows):
         marker, line = styles.get(variant, ("x", "-."))
