@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from packloss.tools.bench import peers, report
 from packloss.tools.cli import run_suite
@@ -69,7 +70,7 @@ def test_tiny_run_has_a_checked_row_per_variant_and_ratios(tiny_run):
 
 def test_one_table_per_comparison_and_json(tiny_run):
     result, text, payload = tiny_run
-    for comparison in (*RL_COMPARISONS, "head", "distill"):
+    for comparison in (*RL_COMPARISONS, "head", "head floor", "distill"):
         assert f"packloss bench peers: {comparison}" in text
     assert payload["suites"]["peers"]["rows"] == json.loads(json.dumps(result["rows"]))
     for note in result["notes"]:  # cut-cross-entropy / Liger when not installed
@@ -183,3 +184,56 @@ def test_compiled_distill_row_only_with_compiled_columns_and_every_packloss_row_
     assert sorted(rows) == sorted(["naive_eager", "liger_compiled", *ours])
     for variant in ours:
         assert rows[variant]["time_vs_liger_compiled"] == pytest.approx(times[variant] / 5.5)
+
+
+class _MatmulFlops(TorchDispatchMode):
+    """``2 m k n`` per matrix product (``mm``, ``addmm``, in place or not); every other op but views and
+    allocations counted apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops, self.other = 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name in ("mm", "addmm", "addmm_"):
+            a, b = args[-2], args[-1]
+            self.flops += 2 * a.shape[0] * a.shape[1] * b.shape[1]
+        elif not func.is_view and name not in ("empty", "empty_like"):
+            self.other += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("variant, count", [("matmuls_packloss_4", 4), ("matmuls_materialised_3", 3)])
+def test_head_floor_does_the_heads_matmul_flops(variant, count):
+    """The floor rows do exactly ``count`` ``N × H × V`` matmuls (``2 N H V`` flops each) and no other
+    op; ``linear_logprobs``'s forward+backward does the same matmul flops as ``matmuls_packloss_4``.
+    V = 2,500 is not a multiple of the CPU block (1,024): a partial block."""
+    from packloss.vocab import linear_logprobs
+
+    n, h, v = 300, 16, 2500
+    hidden, weight, labels = peers._head_inputs(n, h, v, "cpu", 0)
+    with torch.no_grad(), _MatmulFlops() as floor:
+        peers.head_matmuls(variant)(hidden, weight)
+    assert (floor.flops, floor.other) == (count * 2 * n * h * v, 0)
+    if count == 4:
+        with _MatmulFlops() as head:
+            torch.autograd.grad(
+                linear_logprobs(hidden, weight, labels, return_entropy=False)[0].sum(), [hidden, weight]
+            )
+        assert head.flops == floor.flops and head.other > 0
+
+
+def test_head_floor_rows_are_divided_by_every_head_row(monkeypatch):
+    monkeypatch.setattr(
+        peers,
+        "run_fresh",
+        lambda target, kw: {"time_ms": {"matmuls_packloss_4": 4.0}.get(kw["variant"], 3.0), "peak_bytes": 1},
+    )
+    head_rows = [{"variant": "packloss_fused", "time_ms": 5.0}, {"variant": "cce_torch_compile", "time_ms": 4.5}]
+    rows = {r["variant"]: r for r in peers.run_head_floors((8, 4, 16), 1, "cpu", lambda _d: None, head_rows)}
+    assert set(rows) == set(peers.HEAD_FLOORS)
+    assert rows["matmuls_packloss_4"]["time_vs_cce_torch_compile"] == pytest.approx(4.0 / 4.5)
+    assert rows["matmuls_materialised_3"]["time_vs_packloss_fused"] == pytest.approx(3.0 / 5.0)
+    with pytest.raises(ValueError, match="unknown variant"):
+        peers.head_matmuls("matmuls_5")

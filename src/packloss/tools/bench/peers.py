@@ -31,6 +31,12 @@ note in ``result["notes"]`` (and no row). Ratios are packloss ÷ peer, measured 
   (cut-cross-entropy's ``linear_cross_entropy(impl="torch_compile", reduction="none")``, negated; its
   ``cce`` kernel needs Triton on a GPU), ``trl_chunked`` (``trl.kernels.ChunkedLogProbFunction``, TRL's
   fused LM head, on its torch tiles off Triton, at the tile width TRL's trainer passes).
+* ``head floor``: the head's ``N × H × V`` matmuls alone, nothing else, at the head's timed shape
+  (:func:`head_matmuls`): ``matmuls_packloss_4``, the four of ``linear_logprobs`` on its default blocks
+  (it keeps no ``[N, V]`` logits, so its backward computes them again), and ``matmuls_materialised_3``,
+  the three full-size ones of a head that keeps them (cut-cross-entropy's ``torch_compile`` path, the
+  naive head). Each is divided by every ``head`` row's time: what no head doing those matmuls at this
+  rate can go below.
 * ``distill``: generalised JSD (``β = 0.5``) of a student head against a teacher head, token mean over the
   members (about 10% of the tokens ignored), forward+backward w.r.t. the student's hidden and weight:
   ``naive_eager`` (materialised), ``packloss_fused`` (:func:`packloss.vocab.linear_distill`,
@@ -38,11 +44,12 @@ note in ``result["notes"]`` (and no row). Ratios are packloss ÷ peer, measured 
   ``impl="compiled"``, as Liger's row is; not under ``--quick``), ``liger_compiled`` (Liger's
   ``chunked_loss.LigerFusedLinearJSDLoss``, torch path, ``compiled=True``, no hard loss).
 
-  ``head`` and ``distill`` run each variant in a fresh process (:func:`~._measure.run_fresh`): peak
-  memory as in the ``head`` suite, then the median of ``repeat`` calls. Before any timing every variant's
-  values and gradients are checked against ``naive_eager`` on the check shape (the timed shape under
-  ``--quick``) with ``rtol = 1e-5`` of the largest magnitude (float32 sums over ``V`` and ``N`` in
-  different orders); each timed row also carries ``value``, its ``Σ`` output at the timed shape.
+  ``head``, ``head floor`` and ``distill`` run each variant in a fresh process
+  (:func:`~._measure.run_fresh`): peak memory as in the ``head`` suite, then the median of ``repeat``
+  calls. Before any timing every ``head`` and ``distill`` variant's values and gradients are checked
+  against ``naive_eager`` on the check shape (the timed shape under ``--quick``) with ``rtol = 1e-5``
+  of the largest magnitude (float32 sums over ``V`` and ``N`` in different orders); each timed row
+  also carries ``value``, its ``Σ`` output at the timed shape.
 """
 
 from __future__ import annotations
@@ -63,6 +70,8 @@ from packloss.core.plan import Plan
 from packloss.testing.trl import bare_grpo_trainer, padded_inputs, stub_forward, trl_config
 from packloss.tools.bench._measure import peak_bytes, release_freed_memory, reset_peak, run_fresh, time_ms
 from packloss.tools.bench.loss import _interleaved_ms, native_step
+from packloss.vocab.core import HEAD_BLOCK, chunk_ranges, chunk_rows, mm_into
+from packloss.vocab.head import DEFAULT_VOCAB_CHUNK_SIZE
 
 __all__ = ["run", "ValuesDisagree", "check", "RL_RTOL", "RL_EXACT_RTOL", "HEAD_RTOL"]
 
@@ -436,6 +445,18 @@ def check_fused(kind: str, variants: list[str], n: int, h: int, v: int, device: 
     return errors
 
 
+def _peak_and_time(step: Callable[[], None], device: str, repeat: int, warm: bool) -> dict:
+    """Peak memory of one ``step()`` (after a warm-up call when ``warm``: compilation stays outside the
+    measured peak) and the median time of ``repeat`` more."""
+    if warm:
+        step()
+        release_freed_memory(device)
+    base = reset_peak(device)
+    step()
+    peak = peak_bytes(device) - base
+    return {"time_ms": time_ms(step, device, warmup=0, repeat=repeat), "peak_bytes": peak}
+
+
 def measure_fused(kind: str, variant: str, n: int, h: int, v: int, device: str, repeat: int, threads: int) -> dict:
     """In a fresh process: peak memory of one forward+backward (after a warm-up that compiles) and the
     median time of ``repeat`` more; ``value``: the summed output."""
@@ -450,13 +471,7 @@ def measure_fused(kind: str, variant: str, n: int, h: int, v: int, device: str, 
         torch.autograd.grad(out, [hidden, weight])
         value[:] = [float(out.detach())]
 
-    if variant != "naive_eager":
-        step()  # compilation (peers' torch.compile, packloss's compiled chunks), outside the measured peak
-        release_freed_memory(device)
-    base = reset_peak(device)
-    step()
-    peak = peak_bytes(device) - base
-    return {"time_ms": time_ms(step, device, warmup=0, repeat=repeat), "peak_bytes": peak, "value": value[0]}
+    return _peak_and_time(step, device, repeat, warm=variant != "naive_eager") | {"value": value[0]}
 
 
 def run_fused(kind: str, shape: tuple[int, int, int], check_shape: tuple[int, int, int], repeat: int, device: str,
@@ -492,6 +507,78 @@ def run_fused(kind: str, shape: tuple[int, int, int], check_shape: tuple[int, in
         for peer in (r for r in rows if table[r["variant"]] is not None):
             ours[f"time_vs_{peer['variant']}"] = ours["time_ms"] / peer["time_ms"]
             ours[f"peak_vs_{peer['variant']}"] = ours["peak_bytes"] / max(peer["peak_bytes"], 1)
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# The head's matmuls alone: the time no head doing that many N × H × V matmuls can go below
+# ---------------------------------------------------------------------------------------------------
+
+HEAD_FLOORS = ("matmuls_packloss_4", "matmuls_materialised_3")
+
+
+def _blocked_matmuls(hidden: Tensor, weight: Tensor) -> None:
+    """linear_logprobs's four matmuls on its default blocks, nothing else: forward ``x = h Wᵀ`` per
+    block; backward ``x`` again, ``d_hidden += x W_block``, ``d_weight[block] += xᵀ h`` (``x`` stands in
+    for the block's gradient, which has its shape)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    cols = min(DEFAULT_VOCAB_CHUNK_SIZE["cpu" if hidden.device.type == "cpu" else "accelerator"], v)
+    rows = chunk_rows(cols, hidden.device, budget=HEAD_BLOCK)
+    buf = torch.empty(min(rows, n) * cols, dtype=hidden.dtype, device=hidden.device)
+    d_h, d_w = torch.empty_like(hidden), torch.empty_like(weight)
+    for backward in (False, True):
+        for t0, t1 in chunk_ranges(n, rows):
+            for v0, v1 in chunk_ranges(v, cols):
+                x = torch.mm(hidden[t0:t1], weight[v0:v1].T, out=buf[: (t1 - t0) * (v1 - v0)].view(t1 - t0, v1 - v0))
+                if backward:
+                    mm_into(d_h[t0:t1], x, weight[v0:v1], first=v0 == 0)
+                    mm_into(d_w[v0:v1], x.T, hidden[t0:t1], first=t0 == 0)
+
+
+def _materialised_matmuls(hidden: Tensor, weight: Tensor) -> None:
+    """The three full-size matmuls of a head that keeps its ``[N, V]`` logits: ``x = h Wᵀ``, ``x W``,
+    ``xᵀ h`` (``x`` standing in for the logits' gradient)."""
+    x = torch.mm(hidden, weight.T)  # [N, V]
+    torch.mm(x, weight)  # d_hidden [N, H]
+    torch.mm(x.T, hidden)  # d_weight [V, H]
+
+
+def head_matmuls(variant: str) -> Callable[[Tensor, Tensor], None]:
+    """``(hidden, weight) -> None``, no gradient tracked: ``matmuls_packloss_4`` (:func:`_blocked_matmuls`)
+    or ``matmuls_materialised_3`` (:func:`_materialised_matmuls`: cut-cross-entropy's ``torch_compile``
+    path and the naive head do these three)."""
+    fns = {"matmuls_packloss_4": _blocked_matmuls, "matmuls_materialised_3": _materialised_matmuls}
+    if variant not in fns:
+        raise ValueError(f"head_matmuls: unknown variant {variant!r}; choose from {HEAD_FLOORS}")
+    return fns[variant]
+
+
+def measure_floor(variant: str, n: int, h: int, v: int, device: str, repeat: int, threads: int) -> dict:
+    """In a fresh process: :func:`head_matmuls` ``variant``'s peak memory and median time."""
+    torch.set_num_threads(threads)
+    hidden, weight, _ = _head_inputs(n, h, v, device, 0)
+    fn = head_matmuls(variant)
+
+    def step() -> None:
+        with torch.no_grad():
+            fn(hidden, weight)
+
+    return _peak_and_time(step, device, repeat, warm=True)
+
+
+def run_head_floors(
+    shape: tuple[int, int, int], repeat: int, device: str, progress, head_rows: list[dict]
+) -> list[dict]:
+    """The ``head floor`` rows at the head's timed shape, each divided by every ``head`` row's time."""
+    n, h, v = shape
+    rows = []
+    for variant in HEAD_FLOORS:
+        progress(f"peers head floor {variant}")
+        kwargs = dict(variant=variant, n=n, h=h, v=v, device=device, repeat=repeat, threads=torch.get_num_threads())
+        out = run_fresh("packloss.tools.bench.peers:measure_floor", kwargs)
+        row = {"comparison": "head floor", "shape": f"N={n},H={h},V={v}", "variant": variant, **out}
+        row |= {f"time_vs_{r['variant']}": out["time_ms"] / r["time_ms"] for r in head_rows}
+        rows.append(row)
     return rows
 
 
@@ -534,7 +621,10 @@ def run(device: str, quick: bool, progress: Callable[[str], None] | None = None,
     notes: list[str] = []
     rows = run_rl(s.rl_tokens, s.rl_seqs, s.compiled, s.rl_warmup, s.rl_repeat, report, notes)
     for kind in ("head", "distill"):
-        rows.extend(run_fused(kind, s.fused, s.fused_check, s.fused_repeat, device, report, notes, s.compiled))
+        fused = run_fused(kind, s.fused, s.fused_check, s.fused_repeat, device, report, notes, s.compiled)
+        rows.extend(fused)
+        if kind == "head":
+            rows.extend(run_head_floors(s.fused, s.fused_repeat, device, report, fused))
     return {
         "rows": rows,
         "notes": notes,
