@@ -326,6 +326,8 @@ def _split_input(seqs: list[Tensor], seq_lens: tuple[int, ...]) -> Tensor | None
     start, total = first.storage_offset() - root.storage_offset(), int(input_shape[0])
     if start < 0 or start + total > root.numel():
         return None
+    if start == 0 and total == root.numel():  # the whole row: no slice, whose backward zero-fills a copy
+        return root if root.dim() == 1 else root.view(-1)
     return root.reshape(-1).narrow(0, start, total)
 
 
