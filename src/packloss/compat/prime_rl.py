@@ -298,7 +298,8 @@ _VIEW_CHAIN_DEPTH = 8  # backward nodes between a split's input and its view roo
 
 def _split_input(seqs: list[Tensor], seq_lens: tuple[int, ...]) -> Tensor | None:
     """The input of the one ``torch.split(x, seq_lens)`` whose outputs ``seqs`` are, in order, as a
-    narrow of ``x``'s view root; None if they are anything else.
+    narrow of ``x``'s view root (the root itself, flattened, when ``x`` covers all of it); None if they
+    are anything else.
 
     Read from autograd's metadata, two C-level ``map``s over the list and no Python frame per element:
     every element has the same ``SplitWithSizesBackward0`` node, at output ``i``; that node split a
