@@ -327,9 +327,10 @@ def _split_input(seqs: list[Tensor], seq_lens: tuple[int, ...]) -> Tensor | None
     start, total = first.storage_offset() - root.storage_offset(), int(input_shape[0])
     if start < 0 or start + total > root.numel():
         return None
-    if start == 0 and total == root.numel():  # the whole row: no slice, whose backward zero-fills a copy
-        return root if root.dim() == 1 else root.view(-1)
-    return root.reshape(-1).narrow(0, start, total)
+    flat = root if root.dim() == 1 else root.view(-1)  # contiguous (checked above)
+    if start == 0 and total == flat.numel():  # the whole row: no slice, whose backward zero-fills a copy
+        return flat
+    return flat.narrow(0, start, total)
 
 
 def _reaches(node: object, root: Tensor) -> bool:
