@@ -1,17 +1,26 @@
 """packloss: sync-free, vectorised losses for LLM post-training on packed micro-batches."""
 
 from packloss.core.advantages import group_advantages
-from packloss.core.components import Aggregation, ComponentInputs, ComponentOutput
-from packloss.core.corrections import RolloutCorrection
+from packloss.core.bin import (
+    Aggregation,
+    Component,
+    ComponentInputs,
+    ComponentOutput,
+    Normalize,
+    Objective,
+    Outputs,
+    Plan,
+)
+from packloss.core.corrections import GatedCorrection, RolloutCorrection
 from packloss.core.engine import LossResult, compute_loss
 from packloss.core.entropy import AdaptiveEntropy, Entropy
+from packloss.core.kl import KLPenalty, RatioWeightedKL
 from packloss.core.layout import Layout, PaddedLayout
 from packloss.core.metrics import all_reduce_metrics, merge_metrics
-from packloss.core.normalize import Normalize, StepDenominators, count_denominators
-from packloss.core.pg import DPPO, IPO, REF_KL, KLPenalty, PolicyGradient
-from packloss.core.plan import Component, Outputs, Plan
-from packloss.core.recipe import PRESETS, Part, Recipe, preset
+from packloss.core.pg import DPPO, IPO, REF_KL, PolicyGradient
+from packloss.core.recipe import POLICY, PRESETS, Recipe, preset
 from packloss.core.sft import SFT
+from packloss.core.step import StepDenominators, count_denominators
 from packloss.core.trust_regions import TRUST_REGIONS, PolicyTerms, Surrogate, TrustRegion, register_trust_region
 from packloss.vocab import VocabDistill, VocabParallel
 
@@ -24,16 +33,19 @@ __all__ = [
     "Normalize",
     "StepDenominators",
     "count_denominators",
+    "Objective",
     "PolicyGradient",
     "KLPenalty",
+    "RatioWeightedKL",
     "RolloutCorrection",
+    "GatedCorrection",
     "TrustRegion",
     "PolicyTerms",
     "Surrogate",
     "TRUST_REGIONS",
     "register_trust_region",
     "Recipe",
-    "Part",
+    "POLICY",
     "PRESETS",
     "preset",
     "DPPO",
@@ -54,4 +66,4 @@ __all__ = [
     "group_advantages",
 ]
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -135,5 +135,5 @@ def test_correction_validation(kwargs, error, match):
 
 def test_correction_needs_the_rollout_stream():
     streams = bin_of("hot").replace(inference_logprobs=None)
-    with pytest.raises((ValueError, TypeError), match="inference_logprobs"):
+    with pytest.raises((ValueError, TypeError), match="rollout_logprobs"):
         streams.plan(PolicyGradient(correction=RolloutCorrection()))

@@ -103,7 +103,7 @@ def fsdp_plan(model: nn.Module, streams: Streams, seed: int) -> tuple[Plan, Outp
     plan = Plan(
         streams.seq_lens,
         {"rl": Component(objective, mask=streams.loss_mask, weights=streams.rl_weights, normalize="sequence_mean")},
-        inference_logprobs=trn.detach() + noise(),
+        rollout_logprobs=trn.detach() + noise(),
         ref_logprobs=trn.detach() + noise(),
         advantages=streams.advantages,
         old_logprobs=trn.detach() + 0.5 * noise(),

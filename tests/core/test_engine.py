@@ -129,7 +129,7 @@ def _toy(n: int = 12, seed: int = 0):
 def test_rl_only_step():
     _, seq_lens, inference, trainer, mask = _toy()
     adv = torch.tensor([1.0] * 5 + [0.5] + [-1.0] * 6)
-    plan = Plan(seq_lens, {"rl": Component(DPPO, mask=mask)}, inference_logprobs=inference, advantages=adv)
+    plan = Plan(seq_lens, {"rl": Component(DPPO, mask=mask)}, rollout_logprobs=inference, advantages=adv)
     result = compute_loss(plan, Outputs(logprobs=trainer))
     result.loss.backward()
     assert trainer.grad.abs().sum() > 0
@@ -152,7 +152,7 @@ def test_sft_only_step_needs_only_logprobs():
 def test_sampled_distillation_only_step():
     g, seq_lens, inference, trainer, mask = _toy()
     ref = (inference + 0.2 * torch.randn(12, generator=g)).clamp_max(0)
-    plan = Plan(seq_lens, {"distill": Component(REF_KL, mask=mask)}, inference_logprobs=inference, ref_logprobs=ref)
+    plan = Plan(seq_lens, {"distill": Component(REF_KL, mask=mask)}, rollout_logprobs=inference, ref_logprobs=ref)
     result = compute_loss(plan, Outputs(logprobs=trainer))
     result.loss.backward()
     assert torch.allclose(result.metrics["distill/ref_kl"], (ref - trainer.detach())[mask].mean(), rtol=1e-6)
@@ -183,7 +183,7 @@ def test_all_components_together_sum_their_terms():
         "ent": Component(Entropy(0.01), mask=mask),
         "kd": Component(VocabDistill("forward_kl"), mask=mask, normalize="position"),
     }
-    streams = dict(inference_logprobs=inference, ref_logprobs=ref, advantages=adv, teacher_logits=teacher)
+    streams = dict(rollout_logprobs=inference, ref_logprobs=ref, advantages=adv, teacher_logits=teacher)
     plan = Plan(seq_lens, components, **streams)
     outputs = Outputs(logprobs=trainer, entropy=entropy, logits=logits)
     together = compute_loss(plan, outputs)

@@ -28,7 +28,7 @@ def rl_plan(**over) -> Plan:
     kwargs = dict(
         seq_lens=LENS,
         components={"rl": Component(DPPO, mask=s["mask"])},
-        inference_logprobs=s["inference"],
+        rollout_logprobs=s["inference"],
         advantages=s["adv"],
     )
     kwargs.update(over)
@@ -65,13 +65,14 @@ BAD = [
     (dict(components={}), ValueError, "components is empty"),
     (dict(components=[("rl", 1)]), TypeError, "components must be a mapping"),
     (dict(components={"rl": DPPO}), TypeError, r"components\['rl'\] must be a Component"),
+    (dict(components={"rl": Component(DPPO)}), ValueError, r"components\['rl'\] needs mask, weights or both"),
     (dict(components={"": Component(SFT(), mask=torch.ones(N, dtype=torch.bool))}), TypeError, "component names"),
     (dict(components={"rl": Component(DPPO, mask=torch.ones(5, dtype=torch.bool))}), ValueError,
      r"seq_lens sums to 7 but components\['rl'\].mask holds 5"),
-    (dict(inference_logprobs=torch.zeros(6)), ValueError, r"inference_logprobs must have shape \[7\]"),
+    (dict(rollout_logprobs=torch.zeros(6)), ValueError, r"rollout_logprobs must have shape \[7\]"),
     (dict(advantages=torch.zeros(N, dtype=torch.long)), TypeError, "advantages must be a floating-point"),
     (dict(advantages=[0.0] * N), TypeError, "advantages must be a torch.Tensor"),
-    (dict(inference_logprobs=None), ValueError, "'rl' needs the plan's inference_logprobs"),
+    (dict(rollout_logprobs=None), ValueError, "'rl' needs the plan's rollout_logprobs"),
     (dict(advantages=None), ValueError, "'rl' needs the plan's advantages"),
     (dict(components={"d": Component(REF_KL, mask=torch.ones(N, dtype=torch.bool))}), ValueError,
      "'d' needs the plan's ref_logprobs"),
@@ -93,7 +94,6 @@ def test_invalid_plan_names_the_argument(over, error, match):
 
 COMPONENT_BAD = [
     (dict(loss="dppo"), TypeError, "loss must be a callable"),
-    (dict(mask=None), ValueError, "needs mask, weights or both"),
     (dict(mask=torch.ones(N)), TypeError, "mask must be a bool tensor"),
     (dict(mask=[True] * N), TypeError, "mask must be a torch.Tensor"),
     (dict(weights=torch.ones(N, dtype=torch.long)), TypeError, "weights must be a floating-point"),
@@ -128,12 +128,12 @@ def test_deep_validation_reads_values():
     assert plan.validate(deep=True) is plan
     bad_inf = streams()["inference"].clone()
     bad_inf[0] = float("nan")  # not a member: fine
-    rl_plan(inference_logprobs=bad_inf).validate(deep=True)
+    rl_plan(rollout_logprobs=bad_inf).validate(deep=True)
     bad_inf[1] = float("nan")
-    with pytest.raises(ValueError, match="inference_logprobs holds a non-finite"):
-        rl_plan(inference_logprobs=bad_inf).validate(deep=True)
-    with pytest.raises(ValueError, match="inference_logprobs holds a positive"):
-        rl_plan(inference_logprobs=torch.full((N,), 0.5)).validate(deep=True)
+    with pytest.raises(ValueError, match="rollout_logprobs holds a non-finite"):
+        rl_plan(rollout_logprobs=bad_inf).validate(deep=True)
+    with pytest.raises(ValueError, match="rollout_logprobs holds a positive"):
+        rl_plan(rollout_logprobs=torch.full((N,), 0.5)).validate(deep=True)
     w = torch.ones(N)
     w[0] = float("inf")
     with pytest.raises(ValueError, match=r"components\['rl'\].weights holds a non-finite"):

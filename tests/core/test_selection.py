@@ -25,7 +25,7 @@ from packloss import (
     count_denominators,
     merge_metrics,
 )
-from packloss.core.selection import M2PO, ClipCov, KLCov
+from packloss.core.trust_regions import M2PO, ClipCov, KLCov
 from packloss.core.trust_regions import PPOClip
 from packloss.testing import OpCounter, run_gloo
 
@@ -417,7 +417,7 @@ def test_validation(build, error, match):
 def test_missing_streams_and_live_advantages_are_errors():
     streams = bin_of("sdft", seed=1)
     outputs = streams.outputs()
-    with pytest.raises(ValueError, match="M2PO .* needs the plan's old_logprobs and inference_logprobs"):
+    with pytest.raises(ValueError, match="M2PO .* needs the plan's old_logprobs and rollout_logprobs"):
         compute_loss(streams.plan(PolicyGradient(M2PO())), outputs)
     with pytest.raises(ValueError, match="KLCov reads the advantages before the forward: .* advantage='shipped'"):
         count_denominators([streams.plan(PolicyGradient(KLCov(), advantage="ref_kl"))])
@@ -433,7 +433,7 @@ def test_denominators_must_carry_the_selection():
     clip_cov = streams.plan(PolicyGradient(ClipCov(0.1)))
     with pytest.raises(ValueError, match="'rl' selects tokens over the step .* hold no selection"):
         compute_loss(clip_cov, outputs, count_denominators([streams.plan(PolicyGradient(PPOClip()))]))
-    with pytest.raises(ValueError, match="clip_cov_ratio=0.1.* hold ClipCov\\(clip_cov_ratio=0.2"):
+    with pytest.raises(ValueError, match="clip_cov_ratio=0.1.* hold PolicyGradient\\(trust_region=ClipCov\\(clip_cov_ratio=0.2"):
         compute_loss(clip_cov, outputs, count_denominators([streams.plan(PolicyGradient(ClipCov(0.2)))]))
     with pytest.raises(ValueError, match="every micro-batch of a step must select the same way"):
         count_denominators([clip_cov, streams.plan(PolicyGradient(ClipCov(0.1), ratio="rollout"))])

@@ -36,10 +36,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from packloss.core.components import ComponentInputs, ComponentOutput, masked_mean, upcast
+from packloss.core.bin import ComponentInputs, ComponentOutput, masked_mean, upcast
 from packloss.core.engine import compute_loss as _engine_compute_loss
 from packloss.core.pg import REF_KL, KLPenalty, PolicyGradient, pg_loss
-from packloss.core.plan import Component, Outputs, Plan
+from packloss.core.bin import Component, Outputs, Plan
 from packloss.core.trust_regions import DPPOMask, IPOMask
 
 __all__ = [

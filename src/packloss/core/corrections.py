@@ -1,53 +1,41 @@
 """Rollout corrections: importance weights for the mismatch between the policy that sampled the
-tokens (π_rollout, ``inference_logprobs``) and the one the trust region is measured against.
-
-The weight is constant in θ and multiplies the policy-gradient term only (as TRL's
-``vllm_importance_sampling_*`` and verl's rollout correction do). Per token, with members ``m``::
-
-    log ρ_t = where(m, old − inf, 0)          (an objective with ratio="old" and an old stream)
-            | where(m, sg(trn) − inf, 0)      (otherwise: no old stream, or ratio="rollout")
-    level="token":    ρ_t = exp(log ρ_t)
-    level="sequence": ρ_t = exp(Σ_{u∈i} log ρ_u)   (sequence_agg="sum": the product of the ratios)
-                          | exp(mean_{u∈i} log ρ_u) (sequence_agg="mean": their geometric mean)
-    mode="truncate":  c_t = clamp(ρ_t, low, high)      (TIS; ``low=None``: no lower clamp)
-    mode="mask":      c_t = where(low ≤ ρ_t ≤ high, ρ_t, 0)   (MIS / IcePop-style band; ``low=None``: 0)
-
-With ``weighted=False`` a masking correction keeps weight 1 inside the band (a pure token filter).
-"""
+tokens (π_rollout, ``rollout_logprobs``) and the one the trust region is measured against, constant
+in θ, on the policy-gradient term only. Formulas and peers: ``docs/objectives.md``."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 from torch import Tensor
 
-from packloss.core.components import upcast
+from packloss.core import checks
 from packloss.core.segments import broadcast, segment_mean, segment_sum
 
-__all__ = ["RolloutCorrection"]
+__all__ = ["RolloutCorrection", "GatedCorrection"]
 
 LEVELS = ("token", "sequence")
 MODES = ("truncate", "mask")
 SEQUENCE_AGGS = ("sum", "mean")
+GATINGS = ("ratio", "binary_kl", "tv")
+_PROB_CLAMP = 1e-6  # the divergence gates clamp probabilities to [1e-6, 1 − 1e-6] (OpenRLHF's)
+
+Metrics = dict[str, tuple[Tensor, Tensor]]
 
 
 @dataclass(frozen=True)
 class RolloutCorrection:
-    """Truncated (TIS) or masked (MIS) importance sampling for the rollout mismatch (module doc).
+    """Truncated (TIS) or masked (MIS) importance sampling for the rollout mismatch::
 
-    Args:
-        level: ``"token"`` or ``"sequence"``.
-        mode: ``"truncate"`` or ``"mask"``.
-        high: upper cap / band edge, ``> 0``.
-        low: lower clamp / band edge in ``[0, high)``, or None.
-        sequence_agg: ``"sum"`` (product of the token ratios) or ``"mean"`` (geometric mean).
-        weighted: ``mode="mask"`` only: multiply by ``ρ`` inside the band (True) or by 1 (False).
+        log ρ_t = where(m, num − rollout, 0)        num = old (ratio="old" with an old stream), else sg(trn)
+        level="token":    ρ_t = exp(log ρ_t)
+        level="sequence": ρ_t = exp(Σ_{u∈i} log ρ_u) (sequence_agg="sum") | exp(mean_{u∈i} log ρ_u) ("mean")
+        mode="truncate":  c_t = clamp(ρ_t, low, high)                     (low=None: no lower clamp)
+        mode="mask":      c_t = where(low ≤ ρ_t ≤ high, ρ_t or 1 (weighted=False), 0)
 
-    Metrics: ``rollout_is_weight`` (mean ``c``) and ``rollout_is_truncated`` (``ρ > high`` or
-    ``ρ < low``, truncate) or ``rollout_is_masked`` (outside the band, mask), over the members.
+    ``high > 0``; ``low`` in ``[0, high)`` or None. Metrics ``rollout_is_weight`` (mean ``c``) and
+    ``rollout_is_truncated`` / ``rollout_is_masked`` (outside the band), over the members.
     """
 
     level: Literal["token", "sequence"] = "token"
@@ -58,42 +46,19 @@ class RolloutCorrection:
     weighted: bool = True
 
     def __post_init__(self) -> None:
-        for name, value, allowed in (
-            ("level", self.level, LEVELS),
-            ("mode", self.mode, MODES),
-            ("sequence_agg", self.sequence_agg, SEQUENCE_AGGS),
-        ):
-            if value not in allowed:
-                raise ValueError(f"RolloutCorrection.{name} must be one of {allowed}, got {value!r}")
-        for name in ("high", "low"):
-            value = getattr(self, name)
-            if value is None and name == "low":
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(f"RolloutCorrection.{name} must be a number, got {type(value).__name__}")
-            if not math.isfinite(value):
-                raise ValueError(f"RolloutCorrection.{name} must be finite, got {value}")
-        if not self.high > 0:
-            raise ValueError(f"RolloutCorrection.high must be > 0, got {self.high}")
-        if self.low is not None and not 0 <= self.low < self.high:
+        checks.choice("RolloutCorrection.level", self.level, LEVELS)
+        checks.choice("RolloutCorrection.mode", self.mode, MODES)
+        checks.choice("RolloutCorrection.sequence_agg", self.sequence_agg, SEQUENCE_AGGS)
+        checks.positive("RolloutCorrection.high", self.high)
+        if self.low is not None and not 0 <= checks.number("RolloutCorrection.low", self.low) < self.high:
             raise ValueError(f"RolloutCorrection.low must be in [0, high) or None, got {self.low}")
-        if not isinstance(self.weighted, bool):
-            raise TypeError(f"RolloutCorrection.weighted must be a bool, got {type(self.weighted).__name__}")
-
-    def log_ratio(self, inputs, ratio: str, m: Tensor) -> Tensor:
-        """``log ρ_t [N]`` before the level's aggregation, detached, zero off the members."""
-        inf = getattr(inputs, "inference_logprobs", None)
-        if inf is None:
-            raise ValueError("a RolloutCorrection needs inference_logprobs, got None")
-        old = getattr(inputs, "old_logprobs", None)
-        num = old if (ratio == "old" and old is not None) else inputs.trainer_logprobs
-        return torch.where(m, upcast(num.detach()) - upcast(inf.detach()), 0.0)
+        checks.flag("RolloutCorrection.weighted", self.weighted)
 
     def weights(
-        self, inputs, ratio: str, m: Tensor, seq_ids: Tensor, num_seqs: int
-    ) -> tuple[Tensor, dict[str, tuple[Tensor, Tensor]]]:
-        """``(c [N], metrics)``: the correction weights (detached) and their named metrics."""
-        log_rho = self.log_ratio(inputs, ratio, m)  # [N]
+        self, numerator: Tensor, rollout: Tensor, m: Tensor, seq_ids: Tensor, num_seqs: int
+    ) -> tuple[Tensor, Metrics]:
+        """``(c [N], metrics)`` from the detached ``numerator`` and ``rollout`` log-probs ``[N]``."""
+        log_rho = torch.where(m, numerator - rollout, 0.0)  # [N]
         if self.level == "sequence":
             if self.sequence_agg == "sum":
                 seq = segment_sum(log_rho, seq_ids, num_seqs)  # [S]
@@ -112,3 +77,61 @@ class RolloutCorrection:
             outside_name = "rollout_is_masked"
         c = torch.where(m, c, 0.0)
         return c, {"rollout_is_weight": (c, m), outside_name: (high | low, m)}
+
+
+@dataclass(frozen=True)
+class GatedCorrection(RolloutCorrection):
+    """A masking correction that gates on one statistic and weights by the token ratio (OpenRLHF's
+    ``is_correction_*`` with ``mode="mask"``)::
+
+        g_u  = ρ_t | exp(mean_{t∈i} log ρ_t)   (gating="ratio", token | sequence)
+             | D_t | mean_{t∈i} D_t            (gating="binary_kl" or "tv")
+        D_t  = p log(p/q) + (1−p) log((1−p)/(1−q))  (binary_kl)  |  |p − q|  (tv)
+        c_t  = where(low ≤ g_{u(t)} ≤ high, ρ_t, 0)
+
+    with ``p = clamp(π_rollout, 1e-6, 1 − 1e-6)`` and ``q`` the numerator's probability, clamped the
+    same way. A sequence gate keeps each token's ``ρ_t`` (:class:`RolloutCorrection` weights a
+    sequence by its own ratio). Metrics as a masking correction.
+    """
+
+    level: Literal["token", "sequence"] = "sequence"
+    mode: Literal["truncate", "mask"] = "mask"
+    gating: Literal["ratio", "binary_kl", "tv"] = "ratio"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        checks.choice("GatedCorrection.gating", self.gating, GATINGS)
+        if self.mode != "mask" or not self.weighted:
+            raise ValueError("GatedCorrection drops the units outside the band: it needs mode='mask', weighted=True")
+
+    def statistic(self, numerator: Tensor, rollout: Tensor, m: Tensor, seq_ids: Tensor, num_seqs: int) -> Tensor:
+        """The gated statistic: ``[N]`` per token (``level="token"``) or ``[S]`` per sequence."""
+        if self.gating == "ratio":
+            log_rho = torch.where(m, numerator - rollout, 0.0)  # [N]
+            if self.level == "sequence":
+                return torch.exp(segment_mean(log_rho, m, seq_ids, num_seqs)[0])  # [S]
+            return torch.exp(log_rho)
+        p = torch.exp(torch.where(m, rollout, 0.0)).clamp(_PROB_CLAMP, 1 - _PROB_CLAMP)  # [N]
+        q = torch.exp(torch.where(m, numerator, 0.0)).clamp(_PROB_CLAMP, 1 - _PROB_CLAMP)  # [N]
+        if self.gating == "binary_kl":
+            divergence = p * (p / q).log() + (1 - p) * ((1 - p) / (1 - q)).log()
+        else:
+            divergence = (p - q).abs()
+        if self.level == "sequence":
+            return segment_mean(divergence, m, seq_ids, num_seqs)[0]  # [S]
+        return divergence
+
+    def keep(self, stat: Tensor) -> Tensor:
+        """``low ≤ stat ≤ high`` (NaN is never kept), same shape as ``stat``."""
+        kept = stat <= self.high
+        return kept if self.low is None else kept & (stat >= self.low)
+
+    def weights(
+        self, numerator: Tensor, rollout: Tensor, m: Tensor, seq_ids: Tensor, num_seqs: int
+    ) -> tuple[Tensor, Metrics]:
+        kept = self.keep(self.statistic(numerator, rollout, m, seq_ids, num_seqs))  # [N] or [S]
+        if self.level == "sequence":
+            kept = broadcast(kept, seq_ids)  # [N]
+        rho = torch.exp(torch.where(m, numerator - rollout, 0.0))  # [N]
+        c = torch.where(m & kept, rho, 0.0)
+        return c, {"rollout_is_weight": (c, m), "rollout_is_masked": (~kept, m)}

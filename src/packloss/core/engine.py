@@ -1,11 +1,7 @@
-"""``compute_loss``: every component of a packed bin, each once over the whole bin.
-
-``total = Σ_c term_c`` with ``term_c = Σ_t m_t · w_t · ℓ_t / d_t / D`` (see
-:mod:`packloss.core.normalize`). No step reads a device value on the host, and the number of tensor
-operations does not depend on the number of sequences. The loss is always attached to the graph of
-the given outputs (through a zero over empty slices when no component's term is), so every rank runs
-backward even when every component is empty.
-"""
+"""``compute_loss``: every component of a packed bin, each once over the whole bin, with what the
+step computed (:mod:`packloss.core.step`): ``total = Σ_c Σ_t m_t · w_t · ℓ_t / d_t / D``. No host read;
+the op count does not depend on the number of sequences; the loss is always attached to the graph of
+the given outputs, so every rank runs backward even when every component is empty."""
 
 from __future__ import annotations
 
@@ -14,10 +10,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from packloss.core.components import ComponentInputs, ComponentOutput, upcast
-from packloss.core.normalize import StepDenominators, aggregation
-from packloss.core.plan import Outputs, Plan
+from packloss.core.bin import ComponentInputs, ComponentOutput, Outputs, Plan
+from packloss.core.dtypes import upcast
 from packloss.core.segments import segment_count, segment_sum
+from packloss.core.step import StepDenominators, aggregation, bin_selection
 
 __all__ = ["LossResult", "compute_loss"]
 
@@ -84,7 +80,7 @@ def compute_loss(
     terms: dict[str, Tensor] = {}
     for name, comp in plan.components.items():
         agg = aggregation(plan, name, denominators, dtype)
-        selection = None if denominators is None else denominators.selections.get(name)
+        selection = bin_selection(plan, name, denominators)
         inputs = ComponentInputs(plan, outputs, name, agg, per_sequence_metrics, selection)
         out = comp.loss(inputs)
         if not isinstance(out, ComponentOutput):

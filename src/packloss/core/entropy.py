@@ -1,46 +1,23 @@
-"""The entropy term, with a fixed or an adaptive coefficient.
-
-``Entropy(coef)`` is a component whose per-token loss is ``ℓ_t = −coef · H_t`` with ``H_t`` the
-forward's per-token entropy (``outputs.entropy``): ``coef > 0`` is a bonus (minimising the loss
-raises the entropy, as verl's ``entropy_coeff``), ``coef < 0`` a regulariser that lowers it.
-
-The coefficient may be a 0-d tensor that changes between steps without a recompile or a host read:
-:class:`AdaptiveEntropy` owns one and moves it towards a target entropy (the automatic temperature
-of SAC, used for LLM RL by e.g. Skywork-OR1's adaptive entropy control)::
-
-    control = AdaptiveEntropy(target=0.3, lr=0.01)
-    component = Component(control.entropy, mask)                   # Entropy(coef=control.coef)
-    ... result = compute_loss(plan, outputs, denominators) ...
-    control.update(result.metrics["entropy/entropy"])              # coef += lr · (target − H), clamped
-
-``update`` runs on the device (in place, no sync); give it the step's entropy (merged over
-micro-batches and ranks with :func:`~packloss.merge_metrics` / :func:`~packloss.all_reduce_metrics`)
-so every rank moves the coefficient the same way.
-"""
+"""The entropy term ``ℓ_t = −coef · H_t`` (:class:`Entropy`; ``coef > 0`` is a bonus), with a fixed
+coefficient or one driven towards a target entropy on the device (:class:`AdaptiveEntropy`, SAC's
+automatic temperature). Usage and the update rule: ``docs/objectives.md``."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from packloss.core.components import ComponentInputs, ComponentOutput, upcast
+from packloss.core import checks
+from packloss.core.bin import ComponentInputs, ComponentOutput, Objective
+from packloss.core.dtypes import upcast
 
 __all__ = ["Entropy", "AdaptiveEntropy"]
 
 
-def _finite(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return float(value)
-
-
 @dataclass(frozen=True, eq=False)
-class Entropy:
+class Entropy(Objective):
     """An entropy term ``ℓ_t = −coef · H_t`` (module doc). ``coef``: a finite number or a 0-d
     floating-point tensor (read on the device at every call). Metric ``entropy``: the mean of ``H``
     over the members."""
@@ -53,7 +30,7 @@ class Entropy:
                 raise ValueError(f"coef must be a number or a 0-d floating-point tensor, got {self.coef.dtype} "
                                  f"of shape {list(self.coef.shape)}")  # fmt: skip
         else:
-            _finite("coef", self.coef)
+            checks.number("coef", self.coef)
 
     def __call__(self, inputs: ComponentInputs) -> ComponentOutput:
         h = upcast(inputs.outputs.require("entropy", inputs.name))  # [N]
@@ -85,7 +62,7 @@ class AdaptiveEntropy:
 
     def __post_init__(self) -> None:
         for name in ("target", "lr", "coef", "min_coef", "max_coef"):
-            setattr(self, name, _finite(f"AdaptiveEntropy.{name}", getattr(self, name)))
+            setattr(self, name, checks.number(f"AdaptiveEntropy.{name}", getattr(self, name)))
         if self.target < 0:
             raise ValueError(f"AdaptiveEntropy.target must be >= 0, got {self.target}")
         if not self.lr > 0:

@@ -1,24 +1,58 @@
-"""Exact merging of metrics across micro-batches and data-parallel ranks.
-
-Every metric comes with the member count it was taken over, so the merged value is the
-token-weighted mean ``Σ_i value_i · count_i / max(Σ_i count_i, 1)``, exactly what one call over all
-the tokens would have reported. Metrics named ``*_min`` / ``*_max`` merge by min / max over the parts
-with a non-zero count.
-"""
+"""Metrics: masked means over a bin with the member count they were taken over, and their exact
+merge across micro-batches and ranks (the token-weighted mean ``Σ_i value_i · count_i / max(Σ_i
+count_i, 1)``; ``*_min`` / ``*_max`` by min / max over the parts with members)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from packloss.core.agreement import check_agreement
+from packloss.core.dtypes import upcast
+from packloss.core.segments import segment_mean
 
-__all__ = ["merge_metrics", "all_reduce_metrics"]
+__all__ = ["masked_mean", "metric_means", "merge_metrics", "all_reduce_metrics"]
 
 Metrics = tuple[dict[str, Tensor], dict[str, Tensor]]
+
+
+def masked_mean(
+    values: Tensor,
+    mask: Tensor,
+    seq_ids: Tensor | None = None,
+    num_seqs: int = 1,
+    per_sequence: bool = False,
+    count: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Sync-free mean of ``values [N]`` over ``mask [N]`` and its member count: scalars, or ``([S],
+    [S])`` per sequence. Values off ``mask`` never enter (inf/NaN safe); bools count as 0/1. ``count``
+    (scalar mode) is ``mask.sum()`` when the caller already has it."""
+    if per_sequence:
+        return segment_mean(upcast(values.detach()), mask, seq_ids, num_seqs)
+    if count is None:
+        count = mask.sum(dtype=torch.float32)
+    if values.dtype == torch.bool:  # a fraction: count the members where it holds, no float copy
+        total = (values & mask).sum(dtype=torch.float32)
+    else:
+        total = torch.where(mask, upcast(values.detach()), 0.0).sum()
+    return total / count.clamp_min(1), count
+
+
+def metric_means(
+    named: Mapping[str, tuple[Tensor, Tensor]], seq_ids: Tensor, num_seqs: int, per_sequence: bool = False
+) -> Metrics:
+    """``(metrics, counts)``: metric ``name`` is the mean of ``values`` over ``mask`` for
+    ``{name: (values [N], mask [N])}``; metrics over the same mask share one count."""
+    metrics, counts = {}, {}
+    seen: list[tuple[Tensor, Tensor]] = []  # (mask, count)
+    for key, (values, mask) in named.items():
+        count = None if per_sequence else next((c for m, c in seen if m is mask), None)
+        metrics[key], counts[key] = masked_mean(values, mask, seq_ids, num_seqs, per_sequence, count)
+        seen.append((mask, counts[key]))
+    return metrics, counts
 
 
 def merge_metrics(parts: Iterable[object]) -> Metrics:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from packloss.core.components import ComponentInputs, ComponentOutput, upcast
+from packloss.core.bin import ComponentInputs, ComponentOutput, Objective
+from packloss.core.dtypes import upcast
 
 __all__ = ["SFT"]
 
 
 @dataclass(frozen=True)
-class SFT:
+class SFT(Objective):
     """Negative log-likelihood of the sampled tokens: ``ℓ_t = −trn_t`` (SFT, ECHO observation tokens).
 
     Reads ``outputs.logprobs``. Its mean NLL over the members is the engine's ``{name}/loss`` metric.

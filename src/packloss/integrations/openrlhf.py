@@ -83,13 +83,13 @@ from typing import ClassVar, Literal
 import torch
 from torch import Tensor, nn
 
-from packloss.core.components import ComponentLoss, upcast
+from packloss.core.bin import ComponentLoss, upcast
 from packloss.core.corrections import RolloutCorrection
 from packloss.core.engine import compute_loss
 from packloss.core.layout import PaddedLayout
-from packloss.core.normalize import Normalize
+from packloss.core.bin import Normalize
 from packloss.core.pg import PolicyGradient
-from packloss.core.plan import Component, Outputs, Plan
+from packloss.core.bin import Component, Outputs, Plan
 from packloss.core.segments import broadcast, segment_count, segment_mean
 from packloss.core.trust_regions import PolicyTerms, PPOClip, Surrogate
 

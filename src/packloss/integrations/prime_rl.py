@@ -81,7 +81,7 @@ from packloss.compat.prime_rl import (
     shift_tensor_right,
 )
 from packloss.compat.prime_rl import compute_loss as _compat_compute_loss
-from packloss.core.components import upcast
+from packloss.core.bin import upcast
 from packloss.core.pg import KLPenalty, PolicyGradient, pg_loss
 from packloss.core.trust_regions import IPOMask, PolicyTerms, Surrogate, TrustRegion
 

@@ -79,7 +79,7 @@ from packloss import (
     compute_loss,
     count_denominators,
 )
-from packloss.core.components import ComponentInputs, ComponentOutput, upcast
+from packloss.core.bin import ComponentInputs, ComponentOutput, upcast
 from packloss.core.segments import broadcast, segment_sum
 from packloss.core.selection import ClipCov
 from packloss.core.trust_regions import DPPOKL, DPPOTV, GMPO, GSPO, TOPR, DPPOMask, PPOClip

@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from packloss.core.pg import DPPO, REF_KL
-from packloss.core.plan import Component, Outputs, Plan
+from packloss.core.bin import Component, Outputs, Plan
 from packloss.core.sft import SFT
 
 __all__ = ["ARCHETYPES", "Streams", "make_archetype", "random_seq_lens"]
@@ -160,7 +160,7 @@ class Streams:
         return Plan(
             seq_lens=self.seq_lens,
             components=components,
-            inference_logprobs=self.inference_logprobs,
+            rollout_logprobs=self.inference_logprobs,
             ref_logprobs=self.ref_logprobs,
             advantages=self.advantages,
             group_ids=group_ids,

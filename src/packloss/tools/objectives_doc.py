@@ -90,7 +90,7 @@ _PRIME_RL = "\n".join(
     ]
 )
 
-_NORMALISATION = """## Normalisation (`Component(..., normalize=...)`, `packloss.core.normalize`)
+_NORMALISATION = """## Normalisation (`Component(..., normalize=...)`, `packloss.core.step`)
 
 | mode | loss of a component |
 |---|---|

@@ -1,7 +1,7 @@
 """``VocabDistill``: full-vocabulary distillation as a component of the packed-bin loss engine.
 
 With the component's members ``m``, weights ``w``, divisor ``d`` and denominator ``D`` (its
-:class:`~packloss.core.components.Aggregation`), the term is
+:class:`~packloss.core.bin.Aggregation`), the term is
 
     term = Σ_t m_t · w_t · L_t / d_t / D
 
@@ -20,11 +20,10 @@ The teacher is the plan's ``teacher_logits [N, V]`` or its head ``teacher_hidden
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 from torch import Tensor
 
-from packloss.core.components import ComponentInputs, ComponentOutput
+from packloss.core.bin import ComponentInputs, ComponentOutput, Objective, Plan
+from packloss.core.dtypes import compute_dtype
 from packloss.vocab.core import (
     IMPLS,
     DivergenceSpec,
@@ -33,19 +32,15 @@ from packloss.vocab.core import (
     VocabParallel,
     check_parallel,
     check_positive_int,
-    compute_dtype,
 )
 from packloss.vocab.distill import divergence
 from packloss.vocab.head_distill import linear_distill
-
-if TYPE_CHECKING:
-    from packloss.core.plan import Plan
 
 __all__ = ["VocabDistill"]
 
 
 @dataclass(frozen=True)
-class VocabDistill:
+class VocabDistill(Objective):
     """Full-vocabulary distillation component: ``ℓ_t = L_t``, the divergence ``kind`` between
     ``q = softmax(s_t / temperature)`` and ``p = softmax(t_t / teacher_temperature)``.
 

@@ -33,9 +33,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from packloss.core import checks
+from packloss.core.dtypes import compute_dtype
+
 __all__ = [
     "ChunkBudget", "ChunkRun", "DIVERGENCES", "Divergence", "DivergenceSpec", "ELEMENTWISE", "HEAD_BLOCK", "MATMUL",
-    "VocabParallel", "chunk_core", "chunk_divergence", "chunk_ranges", "chunk_rows", "compiled_chunk", "compute_dtype",
+    "VocabParallel", "chunk_core", "chunk_divergence", "chunk_ranges", "chunk_rows", "compiled_chunk",
     "gradient_buffer", "graph_is_kept", "log_probs", "masked_chunk", "mm_into", "resolve", "resolve_impl",
 ]  # fmt: skip
 
@@ -95,26 +98,19 @@ def check_parallel(parallel: object) -> VocabParallel | None:
 
 
 def check_positive_int(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive int, got {value!r}")
-    return value
+    return checks.integer(name, value, minimum=1)
 
 
 def check_temperature(name: str, value: object) -> float:
     """``value`` as a float, finite and > 0 (NaN fails)."""
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not (0.0 < value < math.inf):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return float(value)
+    return checks.positive(name, value)
 
 
 def check_beta(value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"beta must be a number, got {type(value).__name__}")
-    if not (0.0 <= value <= 1.0):
+    value = checks.number("beta", value)
+    if not 0.0 <= value <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {value}")
-    return float(value)
+    return value
 
 
 def check_teacher_format(value: object) -> TeacherFormat:
@@ -224,11 +220,6 @@ def mm_into(dst: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
         torch.mm(a, b, out=dst)
     else:
         dst.addmm_(a, b)
-
-
-def compute_dtype(*dtypes: torch.dtype) -> torch.dtype:
-    """float64 if any of ``dtypes`` is float64, else float32 (fp32 / bf16 / fp16)."""
-    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def graph_is_kept() -> bool:

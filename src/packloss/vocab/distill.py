@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from packloss.core.dtypes import compute_dtype
 from packloss.vocab.core import (
     ChunkRun,
     DivergenceSpec,
@@ -46,7 +47,6 @@ from packloss.vocab.core import (
     chunk_core,
     chunk_ranges,
     chunk_rows,
-    compute_dtype,
     graph_is_kept,
     resolve_impl,
 )

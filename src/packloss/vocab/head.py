@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from packloss.core.dtypes import compute_dtype
 from packloss.vocab.core import (
     HEAD_BLOCK,
     VocabParallel,
@@ -43,7 +44,6 @@ from packloss.vocab.core import (
     check_temperature,
     chunk_ranges,
     chunk_rows,
-    compute_dtype,
     gradient_buffer,
     mm_into,
 )

@@ -1,27 +1,40 @@
-"""The trust-region interface: :class:`PolicyTerms` (what a region reads), :class:`Surrogate` (what it
-returns), the :class:`TrustRegion` base class and the registry :data:`TRUST_REGIONS`; the helpers the
-built-in regions share."""
+"""The trust-region interface: what a region reads (:class:`PolicyTerms`), what it returns
+(:class:`Surrogate`), the base classes :class:`TrustRegion` and :class:`StepSelector` (a region that
+selects its tokens over the whole step, from :class:`SelectionStreams`), the registry
+:data:`TRUST_REGIONS`, and the helpers the built-in regions share. Regions read only these types:
+nothing here imports the rest of ``packloss.core``. The story: ``docs/design.md``, section 4."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 from typing import ClassVar
 
 import torch
 from torch import Tensor
 
-__all__ = ["PolicyTerms", "Surrogate", "TrustRegion", "TRUST_REGIONS", "register_trust_region", "trust_region"]
+from packloss.core import checks
+
+__all__ = [
+    "PolicyTerms",
+    "Surrogate",
+    "TrustRegion",
+    "StepSelector",
+    "SelectionStreams",
+    "TRUST_REGIONS",
+    "register_trust_region",
+    "trust_region",
+]
 
 
 @dataclass(frozen=True, eq=False)
 class PolicyTerms:
-    """The per-token quantities of one bin that every trust region reads.
+    """The per-token quantities of one bin that every trust region reads (``[N]``, ``S`` sequences).
 
-    ``m`` members (bool); ``trn`` π_θ log-probs (carries the gradient); ``base`` the ratio's
-    denominator (detached); ``log_r = where(m, trn − base, 0)``; ``r = exp(log_r)``; ``adv`` the raw
-    advantage (detached, 0 off ``m``); ``a = adv_coef · adv``; ``seq_ids`` ``[N]`` long and
-    ``num_seqs`` ``S``; ``inputs`` the component's inputs (for anything else a region needs).
+    ``m`` members (bool); ``trn`` log π_θ (carries the gradient); ``base`` the ratio's denominator
+    (detached); ``log_r = where(m, trn − base, 0)``; ``r = exp(log_r)``; ``adv`` the raw advantage
+    (detached, 0 off ``m``); ``a = adv_coef · adv``; ``seq_ids`` ``[N]`` long; ``num_seqs`` ``S``;
+    ``old`` / ``rollout`` the old and rollout log-probs (detached, None when the plan has none);
+    ``selected`` / ``scores`` the step-wide selection of a :class:`StepSelector` region (else None).
     """
 
     m: Tensor
@@ -33,28 +46,35 @@ class PolicyTerms:
     a: Tensor
     seq_ids: Tensor
     num_seqs: int
-    inputs: object
+    old: Tensor | None = None
+    rollout: Tensor | None = None
+    selected: Tensor | None = None
+    scores: Tensor | None = None
 
     def prob_diff(self) -> Tensor:
         """``dp = π_θ − π_base`` of the sampled tokens (detached), on masked values.  ``[N]``."""
         return torch.exp(torch.where(self.m, self.trn.detach(), 0.0)) - torch.exp(torch.where(self.m, self.base, 0.0))
 
+    def numerator(self) -> Tensor:
+        """``old``, else ``sg(trn)``: the numerator of a rollout correction's ratio.  ``[N]``."""
+        return self.trn.detach() if self.old is None else self.old
+
 
 @dataclass
 class Surrogate:
-    """A trust region's result: ``objective [N]`` (to maximise; zero off the members) and
-    ``metrics``: name → ``[N]`` values (bool fractions or floats) averaged over the members, or
-    ``(values [N], mask [N])`` averaged over ``mask``. ``"is_masked"`` (members whose policy gradient
-    is zeroed) is always reported; a region that drops nothing may leave it out."""
+    """A trust region's result: ``objective [N]`` (to maximise; zero off the members) and ``metrics``:
+    name → ``[N]`` values averaged over the members, or ``(values [N], mask [N])`` averaged over
+    ``mask``. ``"is_masked"`` (members whose policy gradient is zeroed) is reported by every region
+    that drops tokens. ``sequence_ratio`` is ``(s_i [S], has_members [S])`` for sequence ratios."""
 
     objective: Tensor
     metrics: dict[str, Tensor | tuple[Tensor, Tensor]]
-    sequence_ratio: tuple[Tensor, Tensor] | None = None  # (s_i [S], has_members [S]) for sequence-level ratios
+    sequence_ratio: tuple[Tensor, Tensor] | None = None
 
 
 class TrustRegion:
-    """Base class of the trust regions (see the module doc). ``name`` is set by
-    :func:`register_trust_region`."""
+    """Base class of the trust regions: a frozen dataclass with ``surrogate(t) -> Surrogate``.
+    ``name`` is set by :func:`register_trust_region`; ``check`` validates the fields."""
 
     name: ClassVar[str] = ""
 
@@ -62,22 +82,83 @@ class TrustRegion:
         raise NotImplementedError
 
     def check(self) -> None:
-        """Validate the fields: every number finite (and the subclass's own ranges)."""
+        """Every field that is set is a finite number (subclasses add their own ranges)."""
         for f in fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            if value is None:
-                continue
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise TypeError(f"{type(self).__name__}.{f.name} must be a number, got {type(value).__name__}")
-            if not math.isfinite(value):
-                raise ValueError(f"{type(self).__name__}.{f.name} must be finite, got {value}")
+            if value is not None:
+                checks.number(f"{type(self).__name__}.{f.name}", value)
 
     def __post_init__(self) -> None:
         self.check()
 
 
+@dataclass(frozen=True, eq=False)
+class SelectionStreams:
+    """The pre-forward streams of one component in one bin that a step-wide selection reads: float64,
+    zero off the members ``m``. ``advantages`` is None unless the objective ships them; ``ratio`` and
+    ``adv_coef`` are the objective's."""
+
+    m: Tensor
+    advantages: Tensor | None
+    old: Tensor | None
+    rollout: Tensor | None
+    ratio: str
+    adv_coef: float
+
+    def logprobs(self, who: str) -> Tensor:
+        """``p``: the old log-probs, else the rollout's (π_θ before the forward).  ``[N]``."""
+        p = self.old if self.old is not None else self.rollout
+        if p is None:
+            raise ValueError(
+                f"{who} reads old_logprobs (else rollout_logprobs) before the forward; the plan has neither"
+            )
+        return p
+
+    def shipped_advantages(self, who: str) -> Tensor:
+        """The advantages stream, or a ``ValueError`` when the objective does not ship them.  ``[N]``."""
+        if self.advantages is None:
+            raise ValueError(f"{who} reads the advantages before the forward: its objective needs advantage='shipped'")
+        return self.advantages
+
+
+class StepSelector(TrustRegion):
+    """A trust region whose surrogate reads a token selection made over the whole step
+    (``docs/design.md``, "Step-wide token selection"): additive float64 :meth:`sums`, per-token
+    :meth:`scores`, a host :meth:`bound` on the selection's size and the score :meth:`threshold`.
+    The engine puts the selection in ``PolicyTerms.selected``: the members with ``score ≥ θ``."""
+
+    num_sums: ClassVar[int] = 0
+
+    def sums(self, s: SelectionStreams) -> Tensor:
+        """This bin's additive statistics, float64 ``[num_sums]``."""
+        raise NotImplementedError
+
+    def scores(self, s: SelectionStreams, sums: Tensor) -> Tensor:
+        """Per-token float64 scores ``[N]`` from the token's streams and the step's ``sums``; ``−inf``
+        off the candidates."""
+        raise NotImplementedError
+
+    def bound(self, num_tokens: int) -> int:
+        """A host upper bound (≥ 1, monotone) on how many of ``num_tokens`` tokens a step selects."""
+        raise NotImplementedError
+
+    def threshold(self, top: Tensor, sums: Tensor) -> Tensor:
+        """The 0-d float64 threshold from the step's largest scores ``top`` (descending, ``−inf``
+        padded, at least ``bound`` long) and ``sums``; ``+inf`` selects nothing."""
+        raise NotImplementedError
+
+    def selected(self, t: PolicyTerms) -> Tensor:
+        """The selected members of the bin ``[N]`` (bool), as the engine computed them."""
+        if t.selected is None:
+            raise ValueError(
+                f"{type(self).__name__} selects tokens over the step: call it through compute_loss, which "
+                "computes the selection (PolicyTerms.selected is None)"
+            )
+        return t.selected & t.m
+
+
 TRUST_REGIONS: dict[str, type[TrustRegion]] = {}
-"""Every registered trust region by name."""
+"""Every registered trust region by name (all defined in ``packloss.core.trust_regions``)."""
 
 
 def register_trust_region(name: str):
@@ -105,42 +186,54 @@ def trust_region(spec: TrustRegion | str) -> TrustRegion:
         if spec not in TRUST_REGIONS:
             raise ValueError(f"trust_region must be a TrustRegion or one of {sorted(TRUST_REGIONS)}, got {spec!r}")
         return TRUST_REGIONS[spec]()
+    if isinstance(spec, type) and issubclass(spec, TrustRegion):
+        raise TypeError(f"trust_region must be an instance, got the class {spec.__name__}: write {spec.__name__}()")
     raise TypeError(f"trust_region must be a TrustRegion or a registered name, got {type(spec).__name__}")
 
 
-def _nonnegative(region: TrustRegion, *names: str) -> None:
+# ---------------------------------------------------------------------------------------------------
+# Helpers the built-in regions share
+# ---------------------------------------------------------------------------------------------------
+
+LOG_RATIO_CLAMP = 20.0
+"""verl and OpenRLHF clamp ``log r`` to ``[−20, 20]`` before ``exp`` in some losses."""
+
+
+def nonnegative(region: TrustRegion, *names: str) -> None:
     for name in names:
-        if not getattr(region, name) >= 0:
-            raise ValueError(f"{type(region).__name__}.{name} must be >= 0, got {getattr(region, name)}")
+        checks.nonnegative(f"{type(region).__name__}.{name}", getattr(region, name))
 
 
-def _masked(t: PolicyTerms, drop: Tensor, metrics: dict[str, Tensor]) -> Surrogate:
-    """The token-dropping regions: ``J = (m & ¬drop) · a · r``."""
-    keep = t.m & ~drop
-    return Surrogate(keep * t.a * t.r, {"is_masked": drop, **metrics})
+def positive(region: TrustRegion, *names: str) -> None:
+    for name in names:
+        checks.positive(f"{type(region).__name__}.{name}", getattr(region, name))
 
 
-_LOG_RATIO_CLAMP = 20.0  # verl clamps log r to [−20, 20] before exp in its sapo and dppo_* losses
-
-
-def _required(region: TrustRegion) -> None:
-    """Every field set (the base check lets None through for optional fields; these have none)."""
+def required(region: TrustRegion) -> None:
+    """Every field set (the base check lets None through for optional fields)."""
     for f in fields(region):  # type: ignore[arg-type]
         if getattr(region, f.name) is None:
             raise TypeError(f"{type(region).__name__}.{f.name} must be a number, got NoneType")
 
 
-def _positive(region: TrustRegion, *names: str) -> None:
-    for name in names:
-        if not getattr(region, name) > 0:
-            raise ValueError(f"{type(region).__name__}.{name} must be > 0, got {getattr(region, name)}")
+def check_clip(region: TrustRegion) -> None:
+    """``clip_low`` in ``[0, 1)`` and ``clip_high >= 0``."""
+    if not 0 <= region.clip_low < 1:
+        raise ValueError(f"{type(region).__name__}.clip_low must be in [0, 1), got {region.clip_low}")
+    nonnegative(region, "clip_high")
 
 
-def _clamped_ratio(t: PolicyTerms) -> Tensor:
-    """``exp(clamp(log_r, −20, 20))`` as verl computes its ratio (no gradient outside the clamp).  ``[N]``."""
-    return torch.exp(t.log_r.clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP))
+def masked(t: PolicyTerms, drop: Tensor, metrics: dict[str, Tensor]) -> Surrogate:
+    """The token-dropping regions: ``J = (m & ¬drop) · a · r``."""
+    keep = t.m & ~drop
+    return Surrogate(keep * t.a * t.r, {"is_masked": drop, **metrics})
 
 
-def _trn(t: PolicyTerms) -> Tensor:
+def clamped_ratio(t: PolicyTerms) -> Tensor:
+    """``exp(clamp(log_r, −20, 20))`` (no gradient outside the clamp).  ``[N]``."""
+    return torch.exp(t.log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+
+
+def member_trn(t: PolicyTerms) -> Tensor:
     """``trn`` on the members, 0 elsewhere (a non-member may hold inf or NaN).  ``[N]``."""
     return torch.where(t.m, t.trn, 0.0)

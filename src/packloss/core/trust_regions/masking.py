@@ -1,5 +1,5 @@
-"""Trust regions that drop tokens: prime-rl's family (``dppo``, ``ipo``, ``one_sided``), ``none``,
-``icepop``, and verl's DPPO-Binary losses (``dppo_tv``, ``dppo_kl``)."""
+"""Trust regions that drop tokens: prime-rl's family (``dppo``, ``ipo``, ``one_sided``, ``icepop_log``),
+``none``, ``icepop``, and verl's DPPO-Binary losses (``dppo_tv``, ``dppo_kl``)."""
 
 from __future__ import annotations
 
@@ -12,16 +12,16 @@ from packloss.core.trust_regions.base import (
     PolicyTerms,
     Surrogate,
     TrustRegion,
-    _clamped_ratio,
-    _masked,
-    _nonnegative,
-    _positive,
-    _required,
-    _trn,
+    clamped_ratio,
+    masked,
+    member_trn,
+    nonnegative,
+    positive,
     register_trust_region,
+    required,
 )
 
-__all__ = ["DPPOMask", "IPOMask", "OneSided", "NoRegion", "IcePop", "DPPOTV", "DPPOKL"]
+__all__ = ["DPPOMask", "IPOMask", "OneSided", "NoRegion", "IcePop", "IcePopLogBand", "DPPOTV", "DPPOKL"]
 
 
 @register_trust_region("dppo")
@@ -36,14 +36,14 @@ class DPPOMask(TrustRegion):
 
     def check(self) -> None:
         super().check()
-        _nonnegative(self, "low", "high")
+        nonnegative(self, "low", "high")
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         dp = t.prob_diff()
         high, low = dp > self.high, dp < -self.low
         drop = torch.where(t.adv > 0, high, low)
         dropped = t.m & drop
-        return _masked(
+        return masked(
             t,
             drop,
             {
@@ -64,10 +64,10 @@ class IPOMask(TrustRegion):
 
     def check(self) -> None:
         super().check()
-        _nonnegative(self, "threshold")
+        nonnegative(self, "threshold")
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
-        return _masked(t, t.prob_diff().abs() > self.threshold, {})
+        return masked(t, t.prob_diff().abs() > self.threshold, {})
 
 
 @register_trust_region("one_sided")
@@ -79,10 +79,10 @@ class OneSided(TrustRegion):
 
     def check(self) -> None:
         super().check()
-        _nonnegative(self, "threshold")
+        nonnegative(self, "threshold")
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
-        return _masked(t, t.prob_diff() < -self.threshold, {})
+        return masked(t, t.prob_diff() < -self.threshold, {})
 
 
 @register_trust_region("none")
@@ -91,7 +91,7 @@ class NoRegion(TrustRegion):
     """``J = a · r``: the plain importance-weighted policy gradient (REINFORCE on-policy)."""
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
-        return _masked(t, torch.zeros_like(t.m), {})
+        return masked(t, torch.zeros_like(t.m), {})
 
 
 @register_trust_region("icepop")
@@ -110,7 +110,41 @@ class IcePop(TrustRegion):
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         r = t.r.detach()
         low, high = r < self.low, r > self.high
-        return _masked(t, low | high, {"is_masked_low": low, "is_masked_high": high})
+        return masked(t, low | high, {"is_masked_low": low, "is_masked_high": high})
+
+
+@register_trust_region("icepop_log")
+@dataclass(frozen=True)
+class IcePopLogBand(TrustRegion):
+    """prime-rl's IcePop band (#3526): keep a member iff ``log(ratio_low) ≤ log_r ≤ log(ratio_high)``::
+
+        J_t = keep_t · a_t · exp(where(keep_t, log_r_t, 0))
+
+    Both bounds included, compared in log space with the bounds' logs in ``log_r``'s dtype (a ratio
+    read back from ``log(0.2)`` sits on the bound; :class:`IcePop` compares ``exp(log r)`` and drops
+    it); the ratio of a dropped token is replaced before ``exp`` (an overflowing one gives no NaN).
+    Metric ``is_masked``.
+    """
+
+    ratio_low: float = 0.2
+    ratio_high: float = 5.0
+
+    def check(self) -> None:
+        super().check()
+        if not 0 < self.ratio_low <= self.ratio_high:
+            raise ValueError(
+                f"IcePopLogBand needs 0 < ratio_low <= ratio_high, got {self.ratio_low}, {self.ratio_high}"
+            )
+
+    def surrogate(self, t: PolicyTerms) -> Surrogate:
+        log_r = t.log_r.detach()  # [N], 0 off the members
+        # the bounds' logs in log_r's dtype, as prime-rl takes them, without a host copy
+        low = torch.full((), self.ratio_low, dtype=log_r.dtype, device=log_r.device).log()
+        high = torch.full((), self.ratio_high, dtype=log_r.dtype, device=log_r.device).log()
+        drop = (log_r < low) | (log_r > high)  # [N]
+        keep = t.m & ~drop
+        ratio = torch.exp(torch.where(keep, t.log_r, 0.0))  # masked before exp
+        return Surrogate(torch.where(keep, t.a * ratio, 0.0), {"is_masked": drop})
 
 
 @dataclass(frozen=True)
@@ -137,9 +171,9 @@ class _DPPOBinary(TrustRegion):
 
     def check(self) -> None:
         super().check()
-        _required(self)
-        _nonnegative(self, "low", "high")
-        _positive(self, "ratio_cap")
+        required(self)
+        nonnegative(self, "low", "high")
+        positive(self, "ratio_cap")
 
     def keep(self, t: PolicyTerms) -> Tensor:
         """Members kept by the divergence (bool ``[N]``)."""
@@ -147,9 +181,9 @@ class _DPPOBinary(TrustRegion):
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         keep = self.keep(t)  # [N]
-        ratio = _clamped_ratio(t).detach()  # [N]
+        ratio = clamped_ratio(t).detach()  # [N]
         weight = ratio.clamp(max=self.ratio_cap)
-        objective = torch.where(t.m & keep, weight * t.a * _trn(t), 0.0)
+        objective = torch.where(t.m & keep, weight * t.a * member_trn(t), 0.0)
         drop = t.m & ~keep
         metrics = {
             "is_masked": drop,
@@ -162,7 +196,7 @@ class _DPPOBinary(TrustRegion):
 
 def _probs(t: PolicyTerms) -> tuple[Tensor, Tensor]:
     """``(p, p_old) = (exp(trn), exp(base))`` of the sampled tokens on masked values, detached.  ``[N]``."""
-    return torch.exp(_trn(t).detach()), torch.exp(torch.where(t.m, t.base, 0.0))
+    return torch.exp(member_trn(t).detach()), torch.exp(torch.where(t.m, t.base, 0.0))
 
 
 @register_trust_region("dppo_tv")
@@ -204,7 +238,9 @@ class DPPOKL(_DPPOBinary):
     def keep(self, t: PolicyTerms) -> Tensor:
         p, p_old = _probs(t)
         base = torch.where(t.m, t.base, 0.0)
-        binary_kl = p_old * (base - _trn(t).detach()) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+        binary_kl = p_old * (base - member_trn(t).detach()) + (1 - p_old) * torch.log(
+            (1 - p_old + 1e-8) / (1 - p + 1e-8)
+        )
         keep_pos = (binary_kl <= self.high) | (p <= p_old)
         keep_neg = (binary_kl <= self.low) | (p >= p_old)
         return torch.where(t.a > 0, keep_pos, keep_neg)

@@ -1,4 +1,5 @@
-"""REINFORCE-style regions: ``gpg`` (plain ``A · log π``) and ``topr`` (tapered off-policy REINFORCE)."""
+"""REINFORCE-style regions, detached weights on ``A · log π``: ``gpg`` (none), ``topr`` (tapered
+off-policy REINFORCE) and ``vespo`` (a Gamma weight of the sequence ratio)."""
 
 from __future__ import annotations
 
@@ -7,19 +8,24 @@ from dataclasses import dataclass
 
 import torch
 
+from packloss.core import checks
+from packloss.core.corrections import RolloutCorrection
 from packloss.core.segments import broadcast, segment_sum
 from packloss.core.trust_regions.base import (
+    LOG_RATIO_CLAMP,
     PolicyTerms,
     Surrogate,
     TrustRegion,
-    _nonnegative,
-    _positive,
-    _required,
-    _trn,
+    member_trn,
+    nonnegative,
+    positive,
     register_trust_region,
+    required,
 )
 
-__all__ = ["GPG", "TOPR"]
+__all__ = ["GPG", "TOPR", "VESPO"]
+
+_LOG_EPS = math.log(1e-8)  # VESPO's lower clamp of log-weights (TRL's log(1e-8))
 
 
 @register_trust_region("gpg")
@@ -37,7 +43,7 @@ class GPG(TrustRegion):
     """
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
-        return Surrogate(torch.where(t.m, t.a * _trn(t), 0.0), {})
+        return Surrogate(torch.where(t.m, t.a * member_trn(t), 0.0), {})
 
 
 @register_trust_region("topr")
@@ -65,9 +71,9 @@ class TOPR(TrustRegion):
 
     def check(self) -> None:
         super().check()
-        _required(self)
-        _nonnegative(self, "low")
-        _positive(self, "high")
+        required(self)
+        nonnegative(self, "low")
+        positive(self, "high")
         if not self.low <= self.high:
             raise ValueError(f"TOPR.low must be <= TOPR.high, got {self.low} > {self.high}")
 
@@ -77,7 +83,7 @@ class TOPR(TrustRegion):
         weight = torch.exp(log_seq_ratio.clamp(max=log_high)).clamp(min=self.low)  # [S]
         negative = t.a < 0  # [N]
         token_weight = torch.where(negative, broadcast(weight, t.seq_ids), 1.0)  # [N]
-        objective = torch.where(t.m, token_weight * t.a * _trn(t), 0.0)
+        objective = torch.where(t.m, token_weight * t.a * member_trn(t), 0.0)
         log_seq_ratio_t = broadcast(log_seq_ratio, t.seq_ids)  # [N]
         metrics = {
             "truncated_frac_high": negative & (log_seq_ratio_t > log_high),
@@ -85,3 +91,54 @@ class TOPR(TrustRegion):
             "negative_is_weight": (token_weight, t.m & negative),
         }
         return Surrogate(objective, metrics)
+
+
+@register_trust_region("vespo")
+@dataclass(frozen=True)
+class VESPO(TrustRegion):
+    """VESPO (arXiv:2602.10693) as TRL 1.16 computes it: REINFORCE weighted by a Gamma function of the
+    sequence's importance weight, detached::
+
+        log w_i = clamp(Σ_{t∈i} clamp(log r_t, ±20) + Σ_{t∈i} clamp(log c_t, log 1e-8, 20), log 1e-8, 20)
+        φ_t     = exp(λ + k·log w_i − λ·w_i)     (k, λ = k_pos, λ_pos if A_t ≥ 0 else k_neg, λ_neg;
+                                                   λ ≥ 1e-4; φ(1) = 1; NaN/inf → 0)
+        J_t     = sg(φ_t) · A'_t · trn_t
+
+    ``c_t`` is the weight of ``correction`` (token-level, or None): VESPO folds the rollout mismatch
+    into ``w`` instead of multiplying its loss by ``c``, so its objective carries no correction of its
+    own. Metric ``phi``: mean ``φ`` over the members. No token is dropped.
+    """
+
+    k_pos: float = 2.0
+    lambda_pos: float = 3.0
+    k_neg: float = 3.0
+    lambda_neg: float = 2.0
+    correction: RolloutCorrection | None = None
+
+    def check(self) -> None:
+        for name in ("k_pos", "lambda_pos", "k_neg", "lambda_neg"):
+            checks.number(f"VESPO.{name}", getattr(self, name))
+        c = self.correction
+        if c is not None:
+            if not isinstance(c, RolloutCorrection):
+                raise TypeError(f"VESPO.correction must be a RolloutCorrection or None, got {type(c).__name__}")
+            if c.level != "token":
+                raise ValueError(f"VESPO.correction must be token-level, got level={c.level!r}")
+
+    def surrogate(self, t: PolicyTerms) -> Surrogate:
+        log_r = t.log_r.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [N], 0 off the members
+        seq = segment_sum(log_r, t.seq_ids, t.num_seqs)  # [S]
+        if self.correction is not None:
+            if t.rollout is None:
+                raise ValueError("VESPO.correction needs the plan's rollout_logprobs, got None")
+            c, _ = self.correction.weights(t.numerator(), t.rollout, t.m, t.seq_ids, t.num_seqs)  # [N]
+            log_c = torch.log(torch.where(t.m, c, 1.0)).clamp(_LOG_EPS, LOG_RATIO_CLAMP)  # log 0 → log 1e-8
+            seq = seq + segment_sum(log_c, t.seq_ids, t.num_seqs)
+        log_w = broadcast(seq.clamp(_LOG_EPS, LOG_RATIO_CLAMP), t.seq_ids)  # [N]
+        nonneg = t.adv >= 0
+        # filled, not torch.where(cond, float, float), which would be float32 in a float64 bin
+        k = torch.full_like(log_w, self.k_neg).masked_fill(nonneg, self.k_pos)  # [N]
+        lam = torch.full_like(log_w, self.lambda_neg).masked_fill(nonneg, self.lambda_pos).clamp_min(1e-4)
+        phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0)
+        objective = torch.where(t.m, phi * t.a * member_trn(t), 0.0)
+        return Surrogate(objective, {"phi": (phi, t.m)})

@@ -60,8 +60,9 @@ from trl import GRPOTrainer
 from packloss.core.engine import LossResult, compute_loss
 from packloss.core.entropy import Entropy
 from packloss.core.layout import PaddedLayout
-from packloss.core.normalize import Normalize, StepDenominators, count_denominators
-from packloss.core.plan import Component, Outputs, Plan
+from packloss.core.bin import Normalize
+from packloss.core.step import StepDenominators, count_denominators
+from packloss.core.bin import Component, Outputs, Plan
 from packloss.core.recipe import Recipe
 from packloss.integrations.trl.config import from_trl
 

@@ -4,7 +4,7 @@ A phase ``kind`` trains one component (named :data:`COMPONENT` ``[kind]``) on th
 of its bins, token-normalised:
 
 * ``ce`` → ``sft``: :class:`~packloss.SFT`, the teacher on the reference answers;
-* ``ref_kl`` → ``ref_kl``: :data:`~packloss.REF_KL` with the sampling pass's (``inference_logprobs``)
+* ``ref_kl`` → ``ref_kl``: :data:`~packloss.REF_KL` with the sampling pass's (``rollout_logprobs``)
   and the teacher's (``ref_logprobs``) log-probs of the sampled tokens;
 * ``full`` → ``distill``: ``VocabDistill(kind="reverse_kl")`` from the student's hidden states and
   LM head (``Outputs(hidden=, head_weight=)``) and the teacher's (``teacher_hidden``,
@@ -24,7 +24,8 @@ from torch import Tensor, nn
 
 from packloss.core.packing import position_ids
 from packloss.core.pg import DPPO, REF_KL
-from packloss.core.plan import Component, Plan
+from packloss.core.bin import Component, Plan
+from packloss.core.recipe import POLICY
 from packloss.core.sft import SFT
 from packloss.tools.demo.model import Rollout, packed_hidden, packed_logprobs
 from packloss.tools.demo.task import PAD
@@ -33,7 +34,7 @@ from packloss.vocab.component import VocabDistill
 __all__ = ["KINDS", "COMPONENT", "Bin", "make_bin", "empty_bin", "teacher_streams", "make_plan"]
 
 KINDS = ("ce", "ref_kl", "full", "rl")
-COMPONENT = {"ce": "sft", "ref_kl": "ref_kl", "full": "distill", "rl": "rl"}
+COMPONENT = {"ce": "sft", "ref_kl": "ref_kl", "full": "distill", "rl": POLICY}
 """The component name (the metric prefix) of each phase kind."""
 
 
@@ -41,7 +42,7 @@ COMPONENT = {"ce": "sft", "ref_kl": "ref_kl", "full": "distill", "rl": "rl"}
 class Bin:
     """One packed bin of ``N`` positions. ``input_ids``, ``positions``, ``labels``: ``[1, N]``
     (labels are next tokens within a sequence, ``-100`` at each sequence's last position);
-    ``answer``: ``[N]`` bool, positions whose label is a completion token; ``inference_logprobs``,
+    ``answer``: ``[N]`` bool, positions whose label is a completion token; ``rollout_logprobs``,
     ``advantages``: ``[N]`` float, on the answer positions (0 elsewhere); ``num_real``: real tokens."""
 
     input_ids: Tensor
@@ -49,7 +50,7 @@ class Bin:
     labels: Tensor
     seq_lens: tuple[int, ...]
     answer: Tensor
-    inference_logprobs: Tensor
+    rollout_logprobs: Tensor
     advantages: Tensor
     num_real: int
 
@@ -76,7 +77,7 @@ def make_bin(rollouts: Sequence[Rollout], advantages: Sequence[float], device: t
         labels=torch.tensor([labels], device=device),
         seq_lens=lens,
         answer=torch.tensor(answer, device=device),
-        inference_logprobs=torch.tensor(inference, device=device),
+        rollout_logprobs=torch.tensor(inference, device=device),
         advantages=torch.tensor(adv, device=device),
         num_real=sum(lens),
     )
@@ -117,7 +118,7 @@ def make_plan(kind: str, b: Bin, teacher_stream: Tensor | None = None, teacher: 
         return Plan(
             b.seq_lens,
             {name: Component(REF_KL, mask=b.answer)},
-            inference_logprobs=b.inference_logprobs,
+            rollout_logprobs=b.rollout_logprobs,
             ref_logprobs=teacher_stream,
         )
     if kind == "full":
@@ -133,7 +134,7 @@ def make_plan(kind: str, b: Bin, teacher_stream: Tensor | None = None, teacher: 
         return Plan(
             b.seq_lens,
             {name: Component(DPPO, mask=b.answer)},
-            inference_logprobs=b.inference_logprobs,
+            rollout_logprobs=b.rollout_logprobs,
             advantages=b.advantages,
         )
     raise ValueError(f"unknown phase kind {kind!r}; choose from {KINDS}")

@@ -24,9 +24,10 @@ from torch import Tensor, nn
 from packloss.core.advantages import group_advantages
 from packloss.core.engine import LossResult, compute_loss
 from packloss.core.metrics import all_reduce_metrics, merge_metrics
-from packloss.core.normalize import Normalize, StepDenominators, count_denominators
+from packloss.core.bin import Normalize
+from packloss.core.step import StepDenominators, count_denominators
 from packloss.core.packing import pack_ffd, shard_bins
-from packloss.core.plan import Plan
+from packloss.core.bin import Plan
 from packloss.tools.demo.bins import COMPONENT, Bin, empty_bin, make_bin, make_plan, teacher_streams
 from packloss.tools.demo.config import DemoConfig
 from packloss.tools.demo.model import Policy, Rollout, build_model, evaluate, generate, target_rollout
@@ -198,7 +199,7 @@ def _mean_sampled_kl(ctx: Dist, groups: Sequence[Sequence[Bin]], refs: Sequence[
     for bins, group_refs in zip(groups, refs, strict=True):
         total = torch.zeros(2, device=ctx.device)  # [Σ (inf − ref), answer tokens]
         for b, ref in zip(bins, group_refs, strict=True):
-            diff = torch.where(b.answer, b.inference_logprobs - ref, 0.0)  # [N]
+            diff = torch.where(b.answer, b.rollout_logprobs - ref, 0.0)  # [N]
             total = total + torch.stack([diff.sum(), b.answer.sum(dtype=torch.float32)])
         totals.append(total)
     total = sum(totals[1:], totals[0])

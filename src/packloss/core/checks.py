@@ -1,0 +1,86 @@
+"""Argument checks, written once: every public entry point validates through these, and every error
+names the argument (in the caller's words) and what was wrong with it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+
+import torch
+from torch import Tensor
+
+__all__ = ["number", "positive", "nonnegative", "integer", "choice", "flag", "tensor"]
+
+
+def number(name: str, value: object, *, finite: bool = True) -> float:
+    """``value`` as a float: a real number (never a bool or a string), finite unless ``finite=False``
+    (NaN is always rejected)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if math.isnan(value) or (finite and math.isinf(value)):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def positive(name: str, value: object) -> float:
+    """A finite number ``> 0``."""
+    value = number(name, value)
+    if not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    return value
+
+
+def nonnegative(name: str, value: object) -> float:
+    """A finite number ``>= 0``."""
+    value = number(name, value)
+    if not value >= 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+def integer(name: str, value: object, *, minimum: int | None = None) -> int:
+    """A Python int (never a bool or a float), at least ``minimum`` when given."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def choice(name: str, value: object, allowed: Collection[str]) -> str:
+    """One of ``allowed``."""
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {tuple(allowed)}, got {value!r}")
+    return value
+
+
+def flag(name: str, value: object) -> bool:
+    """A bool (not an int or a string that reads as one)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def tensor(
+    name: str,
+    value: object,
+    *,
+    shape: tuple[int, ...] | None = None,
+    floating: bool = False,
+    boolean: bool = False,
+    device: torch.device | None = None,
+) -> Tensor:
+    """``value`` as a tensor of ``shape`` (when given), floating-point or bool (when asked), on
+    ``device`` (when given). Reads shapes, dtypes and devices only: never a value."""
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    if shape is not None and tuple(value.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {list(shape)}, got {list(value.shape)}")
+    if floating and not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}")
+    if boolean and value.dtype != torch.bool:
+        raise TypeError(f"{name} must be a bool tensor, got {value.dtype}")
+    if device is not None and value.device != device:
+        raise ValueError(f"{name} is on {value.device}, expected {device}")
+    return value

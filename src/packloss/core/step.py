@@ -1,0 +1,374 @@
+"""Everything counted over a training step, before the forward: the denominators of every
+normalisation mode (:func:`count_denominators`, one flat ``all_reduce`` across ranks), each
+component's :func:`aggregation`, and the step-wide token selection of the selecting trust regions
+(their additive sums travel in the same ``all_reduce``; their threshold takes one ``all_gather``).
+The engine hands each bin what the step computed. The contract: ``docs/design.md``, section 5."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from packloss.core.agreement import check_agreement
+from packloss.core.bin import Aggregation, Normalize, Objective, Plan, Selection
+from packloss.core.segments import broadcast, segment_count
+from packloss.core.trust_regions.base import StepSelector
+
+__all__ = ["Mode", "StepSelection", "StepDenominators", "count_denominators", "aggregation", "bin_selection"]
+
+Mode = tuple[Normalize, "float | Tensor | None"]
+_F64 = torch.float64
+
+
+def _count_size(mode: Normalize, num_groups: int) -> int:
+    """How many numbers a component of this mode counts: 1, 0 (constant) or ``num_groups``."""
+    if mode is Normalize.CONSTANT:
+        return 0
+    if mode is Normalize.GROUP_MEAN:
+        return num_groups
+    return 1
+
+
+def _local_counts(plan: Plan, name: str, mode: Normalize, num_groups: int, dtype: torch.dtype) -> Tensor:
+    """This bin's additive counts of component ``name`` under ``mode`` (see :func:`_count_size`)."""
+    m = plan.members[name]
+    if mode is Normalize.TOKEN:
+        return m.sum(dtype=dtype).reshape(1)
+    if mode is Normalize.POSITION:
+        return torch.full((1,), float(plan.num_tokens), dtype=dtype, device=m.device)
+    if mode in (Normalize.SEQUENCE_MEAN, Normalize.SEQUENCE_SUM):
+        per_seq = segment_count(m, plan.layout.seq_ids, plan.num_seqs)  # [S]
+        return (per_seq > 0).sum(dtype=dtype).reshape(1)
+    if mode is Normalize.GROUP_MEAN:
+        return torch.zeros(num_groups, dtype=dtype, device=m.device).index_add(0, plan.group_index, m.to(dtype))
+    return torch.zeros(0, dtype=dtype, device=m.device)
+
+
+def _denominator(mode: Normalize, constant: float | Tensor | None, counts: Tensor) -> Tensor | float:
+    """``D`` of a mode from its summed counts, clamped to at least 1."""
+    if mode is Normalize.CONSTANT:
+        return constant
+    if mode is Normalize.GROUP_MEAN:
+        return (counts > 0).sum(dtype=counts.dtype).clamp_min(1)
+    return counts[0].clamp_min(1)
+
+
+def same_mode(a: Mode, b: Mode) -> bool:
+    """Whether two ``(Normalize, constant)`` agree; tensor constants agree only when they are the same
+    tensor (comparing their values would read the device)."""
+    if a[0] is not b[0]:
+        return False
+    if isinstance(a[1], Tensor) or isinstance(b[1], Tensor):
+        return a[1] is b[1]
+    return a[1] == b[1]
+
+
+def _describe(mode: Mode) -> str:
+    m, c = mode
+    return f"normalize={m.value!r}" + (f" (constant={c})" if c is not None else "")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Step-wide token selection
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class StepSelection:
+    """The selection of one component over a step: ``spec`` (the objective it was made for), the
+    step's ``sums`` (float64 ``[num_sums]``) and the score ``threshold`` (0-d float64)."""
+
+    spec: str
+    sums: Tensor
+    threshold: Tensor
+
+    def of(self, selector: StepSelector, objective: Objective, plan: Plan, name: str) -> Selection:
+        """The :class:`~packloss.core.bin.Selection` of component ``name`` in ``plan``."""
+        scores = selector.scores(objective.selection_streams(plan, name), self.sums)  # [N]
+        return Selection((scores >= self.threshold) & (scores > float("-inf")), scores)
+
+
+def _selector(loss: object) -> StepSelector | None:
+    return loss.step_selector() if isinstance(loss, Objective) else None
+
+
+def _step_selectors(plans: Sequence[Plan], objectives: Mapping[str, object] | None) -> dict[str, Objective]:
+    """``{name: objective}`` of every component that selects over the step (one spec per name)."""
+    found: dict[str, Objective] = {}
+    sources = [(f"objectives[{k!r}]", k, v) for k, v in (objectives or {}).items()]
+    for i, plan in enumerate(plans):
+        sources += [(f"plans[{i}] component {k!r}", k, c.loss) for k, c in plan.components.items()]
+    for where, name, loss in sources:
+        if _selector(loss) is None:
+            continue
+        if name in found and repr(found[name]) != repr(loss):
+            raise ValueError(
+                f"{where} selects tokens with {loss!r} but an earlier plan with {found[name]!r}: every "
+                "micro-batch of a step must select the same way"
+            )
+        found[name] = loss
+    return {k: found[k] for k in sorted(found)}
+
+
+def _sums(plan: Plan, name: str, objective: Objective, device: torch.device | str) -> Tensor:
+    """This bin's additive selection sums of component ``name`` (zeros without the component)."""
+    selector = objective.step_selector()
+    if name not in plan.components:
+        return torch.zeros(selector.num_sums, dtype=_F64, device=device)
+    return selector.sums(objective.selection_streams(plan, name))
+
+
+def _check_max_rank_tokens(plans: Sequence[Plan], max_rank_tokens: object) -> None:
+    if isinstance(max_rank_tokens, bool) or not isinstance(max_rank_tokens, int) or max_rank_tokens < 1:
+        raise ValueError(
+            "a step-wide token selection across ranks needs max_rank_tokens= (a positive int, the same on every "
+            f"rank, at least the tokens any rank's plans hold), got {max_rank_tokens!r}"
+        )
+    n_local = sum(p.num_tokens for p in plans)
+    if n_local > max_rank_tokens:
+        raise ValueError(f"this rank's plans hold {n_local} tokens > max_rank_tokens={max_rank_tokens}")
+
+
+def _top(values: Tensor, k: int) -> Tensor:
+    """The ``k`` largest of ``values`` (descending), ``−inf``-padded when there are fewer.  ``[k]``."""
+    if values.numel() < k:
+        pad = torch.full((k - values.numel(),), float("-inf"), dtype=_F64, device=values.device)
+        values = torch.cat([values, pad])
+    return values.topk(k).values
+
+
+def _select(
+    plans: Sequence[Plan],
+    objectives: Mapping[str, Objective],
+    sums: Mapping[str, Tensor],
+    *,
+    gather: bool,
+    group: dist.ProcessGroup | None,
+    max_rank_tokens: int | None,
+    device: torch.device | str,
+) -> dict[str, StepSelection]:
+    """Every selecting component's :class:`StepSelection` from the step's ``sums``. With ``gather``,
+    ONE ``all_gather`` of each rank's ``K = min(bound(W · max_rank_tokens), max_rank_tokens)`` largest
+    scores per component (a host int, equal on every rank); without, ``K = bound(Σ tokens)``."""
+    if not objectives:
+        return {}
+    names = list(objectives)
+    selectors = {k: objectives[k].step_selector() for k in names}
+    if gather:
+        world = dist.get_world_size(group)
+        sizes = [min(selectors[k].bound(world * max_rank_tokens), max_rank_tokens) for k in names]
+    else:
+        sizes = [selectors[k].bound(sum(p.num_tokens for p in plans)) for k in names]
+    tops = []
+    for k, size in zip(names, sizes, strict=True):
+        streams = [objectives[k].selection_streams(p, k) for p in plans if k in p.components]
+        scores = [selectors[k].scores(s, sums[k]) for s in streams]
+        tops.append(_top(torch.cat(scores) if scores else torch.zeros(0, dtype=_F64, device=device), size))
+    if gather:
+        local = torch.cat(tops)  # [Σ K]
+        every = torch.empty(world * local.numel(), dtype=_F64, device=local.device)
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+        all_gather(every, local, group=group)
+        rows = every.reshape(world, -1)  # [W, Σ K]
+        tops = [part.reshape(-1).sort(descending=True).values for part in torch.split(rows, sizes, dim=1)]
+    return {
+        k: StepSelection(repr(objectives[k]), sums[k], selectors[k].threshold(top, sums[k]))
+        for k, top in zip(names, tops, strict=True)
+    }
+
+
+def bin_selection(plan: Plan, name: str, denominators: StepDenominators | None) -> Selection | None:
+    """The selection of component ``name`` in ``plan``: from the step's denominators, or over the bin
+    alone without them; None when its objective does not select over the step."""
+    objective = plan.components[name].loss
+    selector = _selector(objective)
+    if selector is None:
+        return None
+    if denominators is not None:
+        return denominators.selections[name].of(selector, objective, plan, name)
+    sums = {name: _sums(plan, name, objective, plan.device)}
+    step = _select([plan], {name: objective}, sums, gather=False, group=None, max_rank_tokens=None, device=plan.device)
+    return step[name].of(selector, objective, plan, name)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Denominators
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, eq=False)
+class StepDenominators:
+    """The counts of a whole step (every micro-batch, every rank), per component: ``modes[name]``
+    as counted, ``counts[name]`` the summed counts (``[1]``; ``[0]`` for ``constant``; ``[G]`` per-group
+    member counts for ``group_mean``), and ``selections[name]`` of the step-wide selections."""
+
+    modes: dict[str, Mode]
+    counts: dict[str, Tensor]
+    num_groups: int
+    selections: dict[str, StepSelection] = field(default_factory=dict)
+    denominators: dict[str, Tensor | float] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        out = {name: _denominator(mode, constant, self.counts[name]) for name, (mode, constant) in self.modes.items()}
+        object.__setattr__(self, "denominators", out)
+
+    def denominator(self, name: str) -> Tensor | float:
+        """``D`` of component ``name`` (clamped to at least 1)."""
+        return self.denominators[name]
+
+    def check(self, plan: Plan) -> None:
+        """Raise a ``ValueError`` unless these denominators were counted for ``plan``'s components."""
+        for name, comp in plan.components.items():
+            if name not in self.modes:
+                raise ValueError(
+                    f"the step denominators have no component {name!r} (counted: {sorted(self.modes)}); "
+                    "count them from plans with the same components"
+                )
+            if not same_mode(self.modes[name], comp.mode):
+                raise ValueError(
+                    f"component {name!r} normalises with {_describe(comp.mode)} but the step denominators "
+                    f"were counted for {_describe(self.modes[name])}"
+                )
+            if _selector(comp.loss) is not None:
+                got, want = self.selections.get(name), repr(comp.loss)
+                if got is None or got.spec != want:
+                    counted = "no selection" if got is None else got.spec
+                    raise ValueError(
+                        f"component {name!r} selects tokens over the step with {want} but the step denominators "
+                        f"hold {counted}; count them from the same plans"
+                    )
+        if plan.group_ids is not None and plan.num_groups > self.num_groups and self.num_groups:
+            raise ValueError(
+                f"plan group_ids reach {plan.num_groups - 1} but the denominators count {self.num_groups} groups"
+            )
+
+
+def _step_modes(plans: Sequence[Plan], modes: Mapping[str, Normalize | str | Mode] | None) -> dict[str, Mode]:
+    out: dict[str, Mode] = {}
+    if modes is not None:
+        for name, mode in modes.items():
+            out[name] = mode if isinstance(mode, tuple) else (Normalize.of(mode, f"modes[{name!r}]"), None)
+            if out[name][0] is Normalize.CONSTANT and out[name][1] is None:
+                raise ValueError(f"modes[{name!r}]: give constant modes as (Normalize.CONSTANT, C)")
+    seen: dict[str, Mode] = {}
+    for i, plan in enumerate(plans):
+        for name, comp in plan.components.items():
+            if name in seen and not same_mode(seen[name], comp.mode):
+                raise ValueError(
+                    f"component {name!r} normalises with {_describe(comp.mode)} in plans[{i}] but with "
+                    f"{_describe(seen[name])} in an earlier plan"
+                )
+            seen[name] = comp.mode
+            if modes is not None and (name not in out or not same_mode(out[name], comp.mode)):
+                raise ValueError(f"plans[{i}] component {name!r} uses {_describe(comp.mode)}, not the given modes")
+    return out if modes is not None else seen
+
+
+def count_denominators(
+    plans: Sequence[Plan],
+    *,
+    all_reduce: bool = False,
+    group: dist.ProcessGroup | None = None,
+    modes: Mapping[str, Normalize | str | Mode] | None = None,
+    num_groups: int | None = None,
+    device: torch.device | str | None = None,
+    check: bool = True,
+    objectives: Mapping[str, object] | None = None,
+    max_rank_tokens: int | None = None,
+) -> StepDenominators:
+    """Count the denominators of a step over ``plans`` (this rank's micro-batches) and, with
+    ``all_reduce=True``, over the ranks of ``group`` with ONE ``all_reduce`` of one flat float64 tensor.
+
+    A rank with no micro-batch passes ``[]`` with ``modes`` (``{name: mode}``, constants as
+    ``(Normalize.CONSTANT, C)``), ``device`` and, for selecting components, ``objectives={name:
+    loss}``; it still joins the collectives. Every rank must have the same components and, for
+    ``group_mean``, the same ``num_groups`` (required with ``all_reduce``; locally it defaults to the
+    largest group id + 1). With ``all_reduce`` and ``check``, a 2-number agreement check runs first
+    (``docs/design.md``): ranks that disagree raise the same ``ValueError``; it is the one host read.
+    A step-wide selection across ranks takes one more collective and needs ``max_rank_tokens`` (at
+    least the tokens any rank's plans hold, the same on every rank).
+    """
+    if isinstance(plans, Mapping) or not isinstance(plans, Sequence):
+        raise TypeError(f"plans must be a list of Plan, got {type(plans).__name__}")
+    for i, plan in enumerate(plans):
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plans[{i}] must be a Plan, got {type(plan).__name__}")
+    step_modes = _step_modes(plans, modes)
+    if not step_modes:
+        raise ValueError("no components to count: pass the rank's plans, or modes= for a rank without any")
+    if any(m is Normalize.GROUP_MEAN for m, _ in step_modes.values()):
+        if num_groups is None:
+            if all_reduce:
+                raise ValueError("group_mean across ranks needs num_groups= (the same on every rank)")
+            num_groups = max((p.num_groups for p in plans), default=0)
+        elif isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+            raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+        for i, plan in enumerate(plans):
+            if plan.num_groups > num_groups:
+                raise ValueError(f"plans[{i}] has group id {plan.num_groups - 1} >= num_groups={num_groups}")
+    groups = num_groups or 0
+    if device is None:
+        device = plans[0].device if plans else torch.device("cpu")
+    names = sorted(step_modes)
+    sizes = [_count_size(step_modes[k][0], groups) for k in names]
+    selecting = _step_selectors(plans, objectives)
+    for k in selecting:
+        if k not in step_modes:
+            raise ValueError(f"objectives[{k!r}] is not a component of the step (components: {names})")
+    sums_sizes = [obj.step_selector().num_sums for obj in selecting.values()]
+    flat = torch.zeros(sum(sizes) + sum(sums_sizes), dtype=_F64, device=device)
+    for plan in plans:
+        parts = []
+        for k in names:
+            mode = step_modes[k][0]
+            if k in plan.members:
+                parts.append(_local_counts(plan, k, mode, groups, _F64))
+            else:
+                parts.append(torch.zeros(_count_size(mode, groups), dtype=_F64, device=device))
+        parts += [_sums(plan, k, obj, device) for k, obj in selecting.items()]
+        flat = flat + torch.cat(parts)
+    if all_reduce:
+        if selecting:  # before any collective: a rank that raises later would leave the others waiting
+            _check_max_rank_tokens(plans, max_rank_tokens)
+        if check:
+            description = ";".join(f"{k}={step_modes[k][0].value}/{step_modes[k][1]}" for k in names)
+            description += "".join(f";{k}:{obj!r}" for k, obj in selecting.items())
+            description += f";max_rank_tokens={max_rank_tokens}" if selecting else ""
+            check_agreement(f"components {description}; num_groups={groups}", "step components or modes", device, group)
+        dist.all_reduce(flat, group=group)
+    pieces = torch.split(flat, sizes + sums_sizes)
+    counts = dict(zip(names, pieces[: len(names)], strict=True))
+    sums = dict(zip(selecting, pieces[len(names) :], strict=True))
+    selections = _select(
+        plans, selecting, sums, gather=all_reduce, group=group, max_rank_tokens=max_rank_tokens, device=device
+    )
+    return StepDenominators(modes=step_modes, counts=counts, num_groups=groups, selections=selections)
+
+
+def aggregation(plan: Plan, name: str, denominators: StepDenominators | None, dtype: torch.dtype) -> Aggregation:
+    """The :class:`~packloss.core.bin.Aggregation` of component ``name``: its members and weights, and
+    the per-token divisor and denominator of its mode, from ``denominators`` or this bin alone."""
+    comp = plan.components[name]
+    mode = comp.normalize
+    m = plan.members[name]
+    weights = plan.weights[name]
+    weights = None if weights is None else weights.to(dtype)
+    if mode is Normalize.CONSTANT:
+        counts, denominator = None, comp.constant
+    elif denominators is not None:
+        counts = denominators.counts[name]
+        denominator = denominators.denominator(name).to(dtype)  # float64 counts → the compute dtype
+    else:
+        counts = _local_counts(plan, name, mode, plan.num_groups, dtype)
+        denominator = _denominator(mode, None, counts)
+    divisor: Tensor | None = None
+    if mode is Normalize.SEQUENCE_MEAN:
+        per_seq = segment_count(m, plan.layout.seq_ids, plan.num_seqs).to(dtype)  # [S]
+        divisor = broadcast(per_seq.clamp_min(1), plan.layout.seq_ids)  # [N]
+    elif mode is Normalize.GROUP_MEAN:
+        divisor = counts.to(dtype).clamp_min(1).index_select(0, plan.group_index)  # [G] → [N]
+    return Aggregation(mask=m, weights=weights, divisor=divisor, denominator=denominator)
