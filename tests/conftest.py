@@ -17,6 +17,9 @@ from packloss.testing import ARCHETYPES, Streams, make_archetype, random_seq_len
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests/custom_losses.py and conftest are importable
 
+ROOT = Path(__file__).resolve().parents[1]
+"""The repository root (README, docs/, scripts/)."""
+
 CONFIGS = {
     "dppo": DefaultLossConfig(),
     "dppo_high10": DefaultLossConfig(dppo_mask_high=10.0),

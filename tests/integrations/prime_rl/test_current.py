@@ -26,14 +26,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import bin_of, packings, poison_non_members
+from conftest import ROOT, bin_of, packings, poison_non_members
 from packloss.compat import prime_rl as compat
 from packloss.core.pg import PolicyGradient, pg_loss
-from packloss.core.trust_regions import IcePop
+from packloss.core.trust_regions import IcePop, IcePopLogBand
 from packloss.integrations import prime_rl
 from packloss.integrations.prime_rl import (
     CustomLossConfig,
-    IcePopLogBand,
     IcePopLoss,
     IcePopLossConfig,
     IPOLoss,
@@ -53,7 +52,6 @@ except ImportError:  # pragma: no cover - pydantic ships with the dev environmen
 F64 = torch.float64
 RTOL = 1e-12
 METRICS = {"masked_mismatch_kl", "unmasked_mismatch_kl", "is_masked"}
-ROOT = Path(__file__).resolve().parents[2]
 needs_pydantic = pytest.mark.skipif(pydantic is None, reason="pydantic is not installed")
 
 
@@ -274,7 +272,7 @@ def test_icepop_band_is_inclusive_in_log_space_in_float32():
     # packloss's IcePop region compares exp(log r) with the bounds: the float32 ratio read back from
     # log(0.2) lies below 0.2, so it drops that token (is_masked 0.6) where prime-rl keeps it
     band = PolicyGradient(IcePop(0.2, 5.0), ratio="rollout")
-    assert pg_loss(_one_sequence(trn.detach()), band).metrics["is_masked"].item() == pytest.approx(0.6)
+    assert pg_loss(_one_sequence(trn.detach()).policy_inputs(), band).metrics["is_masked"].item() == pytest.approx(0.6)
 
 
 def test_icepop_drops_an_overflowing_ratio_without_nan():
@@ -287,7 +285,7 @@ def test_icepop_drops_an_overflowing_ratio_without_nan():
     assert torch.equal(trn.grad, torch.stack([torch.tensor(0.0), -torch.exp(trn.detach()[1])]))
     assert result.metrics["is_masked"].item() == 0.5 and math.isinf(result.metrics["masked_mismatch_kl"].item())
     # packloss's IcePop region multiplies the overflowing ratio by its zero mask: NaN
-    out = pg_loss(_one_sequence(trn.detach()), PolicyGradient(IcePop(0.2, 5.0), ratio="rollout"))
+    out = pg_loss(_one_sequence(trn.detach()).policy_inputs(), PolicyGradient(IcePop(0.2, 5.0), ratio="rollout"))
     assert out.per_token.isnan().any()
 
 
