@@ -168,7 +168,9 @@ def policy_terms(p: PolicyInputs, objective: PolicyGradient) -> PolicyTerms:
     trn = upcast(p.trn)  # [N]
     old, rollout = _detached(p.old), _detached(p.rollout)
     if objective.ratio == "rollout":
-        base = _need(p.rollout, "rollout_logprobs", "ratio='rollout'")
+        if rollout is None:
+            raise ValueError("ratio='rollout' needs rollout_logprobs, got None")
+        base = rollout
     else:
         base = trn.detach() if old is None else old
     log_r = torch.where(m, trn - base, 0.0)  # [N]
@@ -202,10 +204,14 @@ def _penalty_x(p: PolicyInputs, penalty: KLPenalty, t: PolicyTerms, objective: P
     if penalty.against == "rollout":
         if objective.ratio == "rollout":
             return t.log_r
-        return torch.where(t.m, t.trn - _need(p.rollout, "rollout_logprobs", "KLPenalty(against='rollout')"), 0.0)
+        if t.rollout is None:
+            raise ValueError("KLPenalty(against='rollout') needs rollout_logprobs, got None")
+        return torch.where(t.m, t.trn - t.rollout, 0.0)
     if objective.ratio == "old" and t.old is not None:
         return t.log_r
-    return torch.where(t.m, t.trn - _need(p.old, "old_logprobs", "KLPenalty(against='old')"), 0.0)
+    if t.old is None:
+        raise ValueError("KLPenalty(against='old') needs old_logprobs, got None")
+    return torch.where(t.m, t.trn - t.old, 0.0)
 
 
 def pg_loss(p: PolicyInputs, objective: PolicyGradient) -> ComponentOutput:
@@ -221,8 +227,9 @@ def pg_loss(p: PolicyInputs, objective: PolicyGradient) -> ComponentOutput:
     named: dict[str, tuple[Tensor, Tensor]] = {}
     if objective.correction is not None:
         numerator = t.old if objective.ratio == "old" and t.old is not None else t.trn.detach()
-        rollout = _need(p.rollout, "rollout_logprobs", "a RolloutCorrection")
-        weight, correction_metrics = objective.correction.weights(numerator, rollout, m, t.seq_ids, t.num_seqs)
+        if t.rollout is None:
+            raise ValueError("a RolloutCorrection needs rollout_logprobs, got None")
+        weight, correction_metrics = objective.correction.weights(numerator, t.rollout, m, t.seq_ids, t.num_seqs)
         pg = pg * weight
         named.update(correction_metrics)
     per_token = pg

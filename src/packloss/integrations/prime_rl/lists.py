@@ -62,9 +62,9 @@ def _split_row(seqs: list[Tensor] | tuple[Tensor, ...], seq_lens: tuple[int, ...
     """The row ``seqs`` were split from, as a narrow of its view root (the root itself, flattened,
     when they cover all of it); None when they are anything else.
 
-    C-level ``map``s over the list, no Python frame per element: one autograd node for every element, at
-    output ``i``; each element contiguous and starting where the previous one ended in the root's
-    storage. Views that autograd tracks cannot be modified in place, so they still hold the root's data.
+    Two C-level ``map``s over the list, no Python frame per element: one autograd node for every
+    element, at output ``i``; the first and last contiguous, where a split of consecutive rows puts
+    them. Views that autograd tracks cannot be modified in place, so they still hold the root's data.
     """
     first = seqs[0]
     node, root = first.grad_fn, first._base
@@ -74,18 +74,20 @@ def _split_row(seqs: list[Tensor] | tuple[Tensor, ...], seq_lens: tuple[int, ...
         return None
     if list(map(_OUTPUT_NR, seqs)) != list(range(len(seqs))):
         return None
-    start = first.storage_offset() - root.storage_offset()
-    offsets = [start + o for o in itertools.accumulate(seq_lens, initial=0)]
-    if list(map(Tensor.storage_offset, seqs)) != [root.storage_offset() + o for o in offsets[:-1]]:
+    # outputs of one view node share their strides: contiguous first and last, at the offsets a split
+    # of consecutive rows puts them, leave no room for a gap between them
+    start, total = first.storage_offset() - root.storage_offset(), sum(seq_lens)
+    last = seqs[-1]
+    if first.stride() != (1,) or last.stride() != (1,) or start < 0 or start + total > root.numel():
         return None
-    if not all(s.stride() == (1,) for s in (first, seqs[-1])) or offsets[-1] > root.numel() or start < 0:
+    if last.storage_offset() - root.storage_offset() != start + total - seq_lens[-1]:
         return None
     if not _reaches(node, root):
         return None
     flat = root if root.dim() == 1 else root.view(-1)  # contiguous (checked above)
-    if start == 0 and offsets[-1] == flat.numel():  # the whole row: no slice, whose backward zero-fills a copy
+    if start == 0 and total == flat.numel():  # the whole row: no slice, whose backward zero-fills a copy
         return flat
-    return flat.narrow(0, start, offsets[-1] - start)
+    return flat.narrow(0, start, total)
 
 
 def packed_trainer(seqs: list[Tensor] | tuple[Tensor, ...]) -> tuple[Tensor, tuple[int, ...]]:
