@@ -15,10 +15,10 @@ from packloss import Component, Outputs, Plan, compute_loss
 from packloss.compat.prime_rl import DefaultLossConfig, IPOLossConfig
 from packloss.testing import ARCHETYPES, Streams, make_archetype, random_seq_lens
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests/custom_losses.py and conftest are importable
-
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root (README, docs/, scripts/)."""
+sys.path.insert(0, str(Path(__file__).parent))  # tests/custom_losses.py and conftest are importable
+sys.path.insert(0, str(ROOT))  # the peers' test harnesses: tests.integrations.<peer>.harness
 
 CONFIGS = {
     "dppo": DefaultLossConfig(),

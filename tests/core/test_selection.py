@@ -25,8 +25,7 @@ from packloss import (
     count_denominators,
     merge_metrics,
 )
-from packloss.core.trust_regions import M2PO, ClipCov, KLCov
-from packloss.core.trust_regions import PPOClip
+from packloss.core.trust_regions import M2PO, ClipCov, KLCov, PPOClip
 from packloss.testing import OpCounter, run_gloo
 
 # name → (objective, whether the plan carries old_logprobs)
@@ -433,7 +432,9 @@ def test_denominators_must_carry_the_selection():
     clip_cov = streams.plan(PolicyGradient(ClipCov(0.1)))
     with pytest.raises(ValueError, match="'rl' selects tokens over the step .* hold no selection"):
         compute_loss(clip_cov, outputs, count_denominators([streams.plan(PolicyGradient(PPOClip()))]))
-    with pytest.raises(ValueError, match="clip_cov_ratio=0.1.* hold PolicyGradient\\(trust_region=ClipCov\\(clip_cov_ratio=0.2"):
+    with pytest.raises(
+        ValueError, match="clip_cov_ratio=0.1.* hold PolicyGradient\\(trust_region=ClipCov\\(clip_cov_ratio=0.2"
+    ):
         compute_loss(clip_cov, outputs, count_denominators([streams.plan(PolicyGradient(ClipCov(0.2)))]))
     with pytest.raises(ValueError, match="every micro-batch of a step must select the same way"):
         count_denominators([clip_cov, streams.plan(PolicyGradient(ClipCov(0.1), ratio="rollout"))])

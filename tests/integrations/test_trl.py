@@ -216,8 +216,8 @@ def packed(recipe, b: SimpleNamespace, rows: slice, old_given: bool = True) -> t
     adv = b.adv[rows][:, None].expand(-1, T)[valid]
     plan = Plan(
         b.lens[rows].tolist(),
-        recipe.components(mask),
-        inference_logprobs=b.sampling[rows][valid],
+        recipe.for_bin(mask),
+        rollout_logprobs=b.sampling[rows][valid],
         old_logprobs=b.old[rows][valid] if old_given else None,
         ref_logprobs=b.ref[rows][valid],
         advantages=adv,
@@ -375,7 +375,7 @@ def test_entropy_bonus_is_a_per_micro_batch_mean_in_trl():
     micro = [slice(0, 4), slice(4, 8)]
     trl = trl_loss(cfg, b, micro)
     recipe = from_trl(cfg)
-    assert set(recipe.parts) == {"pg", "entropy"}
+    assert set(recipe.components) == {"pg", "entropy"}
     bins = [packed(recipe, b, m) for m in micro]
     step = count_denominators([p for p, _ in bins])
     pg = sum(compute_loss(p, o, step).terms["pg"] for p, o in bins)
@@ -431,8 +431,8 @@ def test_trl_defaults_match_grpo_config():
     real = GRPOConfig(output_dir="/tmp/packloss-trl-test", use_cpu=True, bf16=False, num_generations=2,
                       per_device_train_batch_size=2, report_to=[])  # fmt: skip
     recipe = from_trl(real)
-    assert set(recipe.parts) == {"pg"}
-    assert recipe.parts["pg"].normalize.value == "token"  # dapo, TRL 1.16's default
+    assert set(recipe.components) == {"pg"}
+    assert recipe.components["pg"].normalize.value == "token"  # dapo, TRL 1.16's default
     pg = recipe.objective
     assert pg.trust_region == PPOClip(0.2, 0.2) and pg.correction is None and pg.penalties == ()
     gspo = copy.copy(real)
@@ -470,8 +470,8 @@ def test_unmapped_and_bad_options_raise(options, error, match):
 
 def test_missing_fields_take_trl_defaults_and_num_processes_scales_constants():
     recipe = from_trl(SimpleNamespace(loss_type="dr_grpo", gradient_accumulation_steps=2), num_processes=4)
-    assert recipe.parts["pg"].constant == 8 * 512 * 2 * 4  # B · max_completion_length · G · W
-    assert from_trl(SimpleNamespace(loss_type="luspo")).parts["pg"].constant == 8
+    assert recipe.components["pg"].constant == 8 * 512 * 2 * 4  # B · max_completion_length · G · W
+    assert from_trl(SimpleNamespace(loss_type="luspo")).components["pg"].constant == 8
     with pytest.raises(ValueError, match="num_processes must be a positive int"):
         from_trl(SimpleNamespace(), num_processes=0)
     with pytest.raises(TypeError, match="needs a GRPOConfig"):

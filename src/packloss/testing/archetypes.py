@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from packloss.core.pg import DPPO, REF_KL
 from packloss.core.bin import Component, Outputs, Plan
+from packloss.core.pg import DPPO, REF_KL
 from packloss.core.sft import SFT
 
 __all__ = ["ARCHETYPES", "Streams", "make_archetype", "random_seq_lens"]

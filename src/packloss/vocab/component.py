@@ -20,6 +20,7 @@ The teacher is the plan's ``teacher_logits [N, V]`` or its head ``teacher_hidden
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from torch import Tensor
 
 from packloss.core.bin import ComponentInputs, ComponentOutput, Objective, Plan

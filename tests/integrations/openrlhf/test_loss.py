@@ -341,7 +341,9 @@ def _packloss_with(objective: PolicyGradient, kwargs: dict, batch: Batch) -> tup
     layout = PaddedLayout.from_attention_mask(members | (torch.arange(members.shape[1]) == 0))
     log_probs = batch.log_probs.clone().requires_grad_()
     token_level = PolicyLoss(**kwargs).token_level_loss
-    component = aggregate_component(objective, members, PaddedBatch(layout, layout.pack(members)), token_level, dtype=F64)
+    component = aggregate_component(
+        objective, members, PaddedBatch(layout, layout.pack(members)), token_level, dtype=F64
+    )
     plan = Plan(
         layout.seq_lens,
         {"pg": component},

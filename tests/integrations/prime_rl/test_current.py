@@ -17,7 +17,6 @@ import re
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Annotated, Any, Literal
 

@@ -248,7 +248,9 @@ class PolicyLoss(nn.Module):
         correction = self.objective.correction
         if correction is not None:
             vllm_kl = log_ratio_mean(m, plan.rollout_logprobs, old)
-            is_filter_ratio = _filter_ratio(correction, result.metrics, upcast(old), upcast(plan.rollout_logprobs), plan)
+            is_filter_ratio = _filter_ratio(
+                correction, result.metrics, upcast(old), upcast(plan.rollout_logprobs), plan
+            )
         return result.loss, clip_ratio, ppo_kl, vllm_kl, is_filter_ratio
 
 

@@ -87,9 +87,8 @@ import torch
 from torch import Tensor
 
 from packloss import Entropy
-from packloss.core.bin import ComponentInputs, ComponentOutput, outputs_from_named, upcast
+from packloss.core.bin import ComponentInputs, ComponentOutput, Normalize, outputs_from_named, upcast
 from packloss.core.corrections import RolloutCorrection
-from packloss.core.bin import Normalize
 from packloss.core.pg import KLPenalty, PolicyGradient
 from packloss.core.recipe import Part, Recipe
 from packloss.core.segments import broadcast, segment_mean, segment_sum

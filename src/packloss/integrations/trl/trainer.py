@@ -57,13 +57,12 @@ import torch
 from torch import Tensor
 from trl import GRPOTrainer
 
+from packloss.core.bin import Component, Normalize, Outputs, Plan
 from packloss.core.engine import LossResult, compute_loss
 from packloss.core.entropy import Entropy
 from packloss.core.layout import PaddedLayout
-from packloss.core.bin import Normalize
-from packloss.core.step import StepDenominators, count_denominators
-from packloss.core.bin import Component, Outputs, Plan
 from packloss.core.recipe import Recipe
+from packloss.core.step import StepDenominators, count_denominators
 from packloss.integrations.trl.config import from_trl
 
 __all__ = ["PacklossGRPOTrainer", "NORMALIZATIONS"]

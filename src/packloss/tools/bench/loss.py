@@ -46,10 +46,10 @@ from torch import Tensor
 
 from packloss.compat import prime_rl
 from packloss.compat.prime_rl import DefaultLossConfig
-from packloss.core.engine import compute_loss
-from packloss.core.step import StepDenominators, count_denominators
-from packloss.core.pg import DPPO
 from packloss.core.bin import Outputs, Plan
+from packloss.core.engine import compute_loss
+from packloss.core.pg import DPPO
+from packloss.core.step import StepDenominators, count_denominators
 from packloss.testing import OpCounter, Streams, make_archetype, random_seq_lens, reference
 from packloss.tools.bench._measure import time_ms
 

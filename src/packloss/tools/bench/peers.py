@@ -65,8 +65,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from packloss.core.step import count_denominators
 from packloss.core.bin import Plan
+from packloss.core.step import count_denominators
 from packloss.testing.trl import bare_grpo_trainer, padded_inputs, stub_forward, trl_config
 from packloss.tools.bench._measure import peak_bytes, release_freed_memory, reset_peak, run_fresh, time_ms
 from packloss.tools.bench.loss import _interleaved_ms, native_step

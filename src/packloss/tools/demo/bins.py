@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from packloss.core.bin import Component, Plan
 from packloss.core.packing import position_ids
 from packloss.core.pg import DPPO, REF_KL
-from packloss.core.bin import Component, Plan
 from packloss.core.recipe import POLICY
 from packloss.core.sft import SFT
 from packloss.tools.demo.model import Rollout, packed_hidden, packed_logprobs

@@ -22,12 +22,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from packloss.core.advantages import group_advantages
+from packloss.core.bin import Normalize, Plan
 from packloss.core.engine import LossResult, compute_loss
 from packloss.core.metrics import all_reduce_metrics, merge_metrics
-from packloss.core.bin import Normalize
-from packloss.core.step import StepDenominators, count_denominators
 from packloss.core.packing import pack_ffd, shard_bins
-from packloss.core.bin import Plan
+from packloss.core.step import StepDenominators, count_denominators
 from packloss.tools.demo.bins import COMPONENT, Bin, empty_bin, make_bin, make_plan, teacher_streams
 from packloss.tools.demo.config import DemoConfig
 from packloss.tools.demo.model import Policy, Rollout, build_model, evaluate, generate, target_rollout

@@ -1,4 +1,4 @@
-"""packloss's verl plugin (``packloss.integrations.verl_plugin``) against verl 0.9.1's own policy losses.
+"""packloss's verl plugin (``packloss.integrations.verl.plugin``) against verl 0.9.1's own policy losses.
 
 verl's side and the plugin's side both run through verl's ``ppo_loss`` (the engine's loss), once per
 micro-batch with the engine's ``dp_size`` / ``batch_num_tokens`` / ``global_batch_size``, on the same
@@ -28,12 +28,13 @@ from verl.trainer.ppo import core_algos
 from verl.trainer.ppo.core_algos import get_policy_loss_fn
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_add_to_batch
 
+from conftest import ROOT
 from packloss import PolicyGradient
-from packloss.integrations import verl_plugin
 from packloss.integrations.verl import LOSS_AGG_MODES, from_verl
-from packloss.integrations.verl_plugin import LOSS_MODES, PREFIX, register, register_objective
+from packloss.integrations.verl import plugin as verl_plugin
+from packloss.integrations.verl.plugin import PREFIX, REGISTERED, register, register_objective
 from packloss.testing import OpCounter
-from tests.integrations.test_verl import (
+from tests.integrations.verl.harness import (
     COV,
     F64,
     Batch,
@@ -47,7 +48,6 @@ from tests.integrations.test_verl import (
     verl_step,
 )
 
-ROOT = Path(__file__).parents[2]
 MODES = ["vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean", "dppo_tv", "dppo_kl", "dro"]
 WHOLE = [[list(range(12))]]
 TWO_RANKS = [[[0, 1, 2], [3, 4, 5]], [[6, 7, 8], [9, 10, 11]]]
@@ -115,8 +115,8 @@ def test_import_verl_registers_every_loss_and_the_docs_snippet_runs(tmp_path):
     out = run_python(snippet + probe, tmp_path).stdout
     assert "packloss_vanilla" in out and "= vanilla" in out
     registered = re.search(r"REGISTERED (\[.*\])", out).group(1)
-    assert set(LOSS_MODES) == set(ast.literal_eval(registered))
-    assert "MODULE packloss.integrations.verl_plugin" in out
+    assert set(REGISTERED) == set(ast.literal_eval(registered))
+    assert "MODULE packloss.integrations.verl.plugin" in out
 
 
 def test_plugins_off_registers_nothing(tmp_path):
@@ -146,9 +146,9 @@ def test_a_failed_registration_warns_and_import_verl_succeeds(tmp_path):
 
 def test_register_is_idempotent_and_leaves_foreign_losses_alone(caplog):
     registry = core_algos.POLICY_LOSS_REGISTRY
-    ours = {name: registry[name] for name in LOSS_MODES}
+    ours = {name: registry[name] for name in REGISTERED}
     assert all(fn.__name__ == name for name, fn in ours.items())
-    assert set(LOSS_MODES) <= set(register()) and set(LOSS_MODES) <= set(register())
+    assert set(REGISTERED) <= set(register()) and set(REGISTERED) <= set(register())
     assert all(registry[name] is fn for name, fn in ours.items())
 
     def foreign(*args, **kwargs):
@@ -537,7 +537,7 @@ def test_clear_errors():
         fn(**kw, config=None)
     with pytest.raises(ValueError, match="loss_agg_mode must be one of"):
         fn(**kw, loss_agg_mode="token-max", config=cfg)
-    with pytest.raises(ValueError, match=r"advantages must have response_mask's shape"):
+    with pytest.raises(ValueError, match=r"advantages must have shape \[B, T\]"):
         fn(**(kw | {"advantages": b.adv[:, :3]}), config=cfg)
     cfg.global_batch_info.clear()
     cfg.global_batch_info.update(dp_size=2, batch_num_tokens=None, global_batch_size=8)
