@@ -400,7 +400,10 @@ def test_the_recipe_parts():
     if region_ready("sapo"):  # sapo's own aggregation moves the KL term into its own part
         sapo = from_verl(actor_config("sapo", "token-mean"))
         assert list(sapo.components) == ["pg", "kl", "entropy"]
-        assert sapo.components["pg"].normalize is Normalize.SEQUENCE_MEAN and sapo.components["kl"].normalize is Normalize.TOKEN
+        assert (
+            sapo.components["pg"].normalize is Normalize.SEQUENCE_MEAN
+            and sapo.components["kl"].normalize is Normalize.TOKEN
+        )
     norm = from_verl(actor_config("vanilla", "seq-mean-token-sum-norm", scale=100, rows=8))
     assert norm.components["pg"].constant == 8 * 100  # ppo_mini_batch_size × rollout_n × loss_scale_factor
 

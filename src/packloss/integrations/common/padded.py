@@ -42,11 +42,11 @@ class PaddedBatch:
     members: Tensor
 
     @classmethod
-    def of(cls, members: Tensor, packing: Packing = "rows") -> PaddedBatch:
+    def of(cls, members: Tensor, packing: Packing = "rows", positions: Tensor | None = None) -> PaddedBatch:
         """The bin of ``members`` (``[B, T]`` bool). ``packing="rows"``: every position (``N = B·T``;
         the layout follows from the shape, nothing is read on the host). ``"members"``: each row's
-        member positions, and the first position of a row without any (so it stays a sequence, as
-        a non-member); reading the row lengths is one device→host read."""
+        ``positions`` (``[B, T]`` bool, default the members), and the first position of a row without
+        any (so it stays a sequence, as a non-member); reading the row lengths is one device→host read."""
         checks.choice("packing", packing, PACKINGS)
         checks.tensor("members", members, boolean=True)
         if members.dim() != 2 or 0 in members.shape:
@@ -55,8 +55,9 @@ class PaddedBatch:
         if packing == "rows":
             layout = PaddedLayout((t,) * b, torch.arange(b * t, device=members.device), (b, t))
         else:
+            kept = members if positions is None else checks.tensor("positions", positions, shape=(b, t)).bool()
             first = torch.arange(t, device=members.device) == 0  # [T]
-            layout = PaddedLayout.from_attention_mask(members | (first & ~members.any(dim=1, keepdim=True)))
+            layout = PaddedLayout.from_attention_mask(kept | (first & ~kept.any(dim=1, keepdim=True)))
         return cls(layout, layout.pack(members, "members"))
 
     @property

@@ -1,74 +1,35 @@
 """TRL 1.16's ``GRPOTrainer`` with its loss computed by packloss: :class:`PacklossGRPOTrainer`.
 
-Everything but the loss is TRL's: generation, rewards, advantages, the old / reference / vLLM log-probs,
-the batch buffering, gradient accumulation and the logged rollout metrics. ``_compute_loss`` runs TRL's
-own forward (``_get_per_token_logps_and_entropies``), packs TRL's padded ``[B, T]`` completion batch
-into one bin with :class:`~packloss.PaddedLayout` (row ``b`` is sequence ``b``; a row without any
-completion token, a masked truncated completion, keeps its first position as a non-member) and
-computes the loss of ``from_trl(args)`` (:mod:`packloss.integrations.trl.config`) with
-:func:`~packloss.compute_loss`::
-
-    outputs.logprobs, outputs.entropy = per_token_logps, entropies        (the forward, packed)
-    old_logprobs       = old_per_token_logps        (absent: on-policy, sg(trn), as TRL)
-    inference_logprobs = sampling_per_token_logps   (vLLM's; NaN → old, i.e. ρ = 1, as TRL)
-    ref_logprobs       = ref_per_token_logps
-    advantages         = advantages                 ([B] broadcast to the tokens, or [B, T])
-    members            = completion_mask · tool_mask
-
-TRL 1.16's GRPO trainer has no padding-free mode; the packing above is the whole layout. Reading the
-``B`` row lengths for the layout is one device→host read per micro-batch.
-
-Normalisation (``packloss_normalization``; the ``G`` micro-batches of an optimizer step on ``W``
-ranks). packloss's loss is a rank's share of the step's loss with gradients summed over ranks;
-accelerate's DDP averages them, so the trainer returns ``W ×`` packloss's loss.
-
-* ``"trl"`` (default): TRL's denominators, as step denominators built from TRL's batch, so loss and
-  gradient equal TRL's for every loss type: ``dapo``/``cispo``/``vespo``: ``num_items_in_batch · G /
-  steps_per_generation`` (TRL's generation-wide token count scaled to a step); ``grpo``/``sapo``: the
-  step's rows ``B · G · W`` (rows without a loss token included); ``bnpo`` and the entropy bonus: this
-  micro-batch's member tokens ``· G · W`` (TRL's per-micro-batch mean); ``dr_grpo``/``luspo``: the
-  constant of ``from_trl`` with this micro-batch's rows.
-* ``"step"``: packloss's: :func:`~packloss.count_denominators` over the ``G`` micro-batches of each
-  optimizer step (one all-reduce over the ranks when ``W > 1``), counted when TRL generates (the
-  step's micro-batches are then buffered; needs ``steps_per_generation`` a multiple of ``G``). It
-  equals ``"trl"`` for ``dapo``/``cispo``/``vespo`` when ``steps_per_generation == G`` and for
-  ``grpo``/``sapo`` when every row has a loss token; ``bnpo`` and the entropy bonus become token means
-  over the step (``bnpo`` is then ``dapo``).
-
-Evaluation normalises as TRL in both modes (one batch, no accumulation).
-
-Metrics: TRL's names where packloss's metrics correspond, merged over the ranks as TRL does —
-``entropy``; ``kl`` (``beta != 0``: mean ``ρ·k3``, or ``k3`` without ``use_bias_correction_kl``);
-``clip_ratio/low_mean``, ``/high_mean``, ``/region_mean``, ``/low_min``, ``/high_max`` (the PPO
-family: ``pg/clip_frac_low``, ``pg/clip_frac_high``); ``cispo_clip_ratio``; ``vespo/phi_seq_mean``;
-``policy_loss`` and ``entropy_coef`` (with an entropy bonus); ``aux_loss`` (MoE) — and every packloss
-metric as ``packloss/{component}/{metric}`` (member-weighted over the ranks; ``*_min``/``*_max`` by
-min/max). TRL's ratio metrics are per sequence at ``importance_sampling_level="sequence"`` and for
-VESPO's ``φ``: means over the rows, a row without a loss token included with its value (ratio 1:
-unclipped, ``φ = 1``), as TRL.
+Everything but the loss is TRL's. ``_compute_loss`` runs TRL's forward, packs TRL's padded completion
+batch into one bin (row ``b`` → sequence ``b``; reading the ``B`` row lengths is one device→host read)
+and computes ``from_trl(args)``'s loss with TRL's denominators (``packloss_normalization="trl"``, the
+default) or packloss's step denominators (``"step"``). The streams, both normalisations and the
+metrics: ``docs/integrations/trl.md``.
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 from trl import GRPOTrainer
 
+from packloss.core import checks
 from packloss.core.bin import Component, Normalize, Outputs, Plan
 from packloss.core.engine import LossResult, compute_loss
 from packloss.core.entropy import Entropy
-from packloss.core.layout import PaddedLayout
-from packloss.core.recipe import Recipe
+from packloss.core.recipe import POLICY, Recipe
 from packloss.core.step import StepDenominators, count_denominators
+from packloss.integrations.common.padded import PaddedBatch
 from packloss.integrations.trl.config import from_trl
 
-__all__ = ["PacklossGRPOTrainer", "NORMALIZATIONS"]
+__all__ = ["PacklossGRPOTrainer", "NORMALIZATIONS", "TRL_METRICS"]
 
 NORMALIZATIONS = ("trl", "step")
-"""The values of ``PacklossGRPOTrainer(packloss_normalization=...)`` (module doc)."""
+"""The values of ``PacklossGRPOTrainer(packloss_normalization=...)``."""
 
 _FORWARD_KWARGS = (
     "pixel_values",
@@ -86,11 +47,37 @@ _PPO_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 _GENERATION_TOKEN_MEAN = ("dapo", "cispo", "vespo")  # TRL divides by num_items_in_batch
 
 
+@dataclass(frozen=True)
+class TrlMetric:
+    """How a TRL metric comes from packloss's per-sequence metrics: the sum of ``sources`` reduced by
+    ``reduce`` — ``"ratio"`` (TRL's ratio mean: over tokens, or over rows at sequence level),
+    ``"rows"`` (over rows), ``"min"`` / ``"max"`` (over the sequences) — with ``empty`` TRL's value
+    for a row without a loss token (None: such a row does not count)."""
+
+    sources: tuple[str, ...]
+    reduce: str
+    empty: float | None = None
+    empty_at_sequence_level: float | None = None
+
+
+TRL_METRICS: dict[str, dict[str, TrlMetric]] = {
+    "ppo": {
+        "clip_ratio/low_mean": TrlMetric(("clip_frac_low",), "ratio"),
+        "clip_ratio/high_mean": TrlMetric(("clip_frac_high",), "ratio"),
+        "clip_ratio/region_mean": TrlMetric(("clip_frac_low", "clip_frac_high"), "ratio"),  # disjoint: A < 0, A > 0
+        "clip_ratio/low_min": TrlMetric(("clip_frac_low",), "min", empty_at_sequence_level=0.0),
+        "clip_ratio/high_max": TrlMetric(("clip_frac_high",), "max", empty_at_sequence_level=0.0),
+    },
+    "cispo": {"cispo_clip_ratio": TrlMetric(("clip_frac_high",), "ratio")},
+    "vespo": {"vespo/phi_seq_mean": TrlMetric(("phi",), "rows", empty=1.0)},  # an empty row's w is 1: φ(1) = 1
+    "sapo": {},
+}
+"""TRL's loss metrics by loss-type family, as data (``entropy``, ``kl``, ``policy_loss`` are added by
+rule, every packloss metric as ``packloss/<name>``)."""
+
+
 def _check_normalization(config: Any, normalization: str) -> None:
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(
-            f"PacklossGRPOTrainer.packloss_normalization must be one of {NORMALIZATIONS}, got {normalization!r}"
-        )
+    checks.choice("PacklossGRPOTrainer.packloss_normalization", normalization, NORMALIZATIONS)
     if normalization == "step" and config.steps_per_generation % config.gradient_accumulation_steps:
         raise ValueError(
             "PacklossGRPOTrainer.packloss_normalization='step' needs GRPOConfig.steps_per_generation "
@@ -100,7 +87,7 @@ def _check_normalization(config: Any, normalization: str) -> None:
 
 
 class PacklossGRPOTrainer(GRPOTrainer):
-    """TRL's ``GRPOTrainer`` whose loss is packloss's ``from_trl(args)`` recipe (module doc).
+    """TRL's ``GRPOTrainer`` whose loss is packloss's ``from_trl(args)`` recipe.
 
     Takes ``GRPOTrainer``'s arguments and ``packloss_normalization`` (``"trl"``, default, or
     ``"step"``). Options ``from_trl`` does not map raise ``NotImplementedError`` before any model
@@ -133,47 +120,38 @@ class PacklossGRPOTrainer(GRPOTrainer):
         return self.packloss_normalization == "trl" or mode == "eval"
 
     def _components(self, members: Tensor, rows: int, mode: str) -> dict[str, Component]:
-        components = {}
-        for name, part in self.packloss_recipe.parts.items():
-            constant = part.constant
-            if constant is not None and self._trl_rules(mode):
+        components = self.packloss_recipe.for_bin(members)
+        for name, comp in components.items():
+            if comp.constant is not None and self._trl_rules(mode):
                 # from_trl's constant counts the configured rows and accumulation; TRL counts this call's
                 configured = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
-                constant = constant * rows * self._accumulation(mode) / configured
-            components[name] = Component(part.loss, members, None, part.normalize, constant)
+                constant = comp.constant * rows * self._accumulation(mode) / configured
+                components[name] = Component(comp.loss, members, None, comp.normalize, constant)
         return components
 
-    def _packloss_plan(self, inputs: dict[str, Any], mode: str) -> tuple[Plan, PaddedLayout]:
-        """The plan of TRL's micro-batch ``inputs`` and the layout that packs its ``[B, T]`` tensors."""
+    def _packloss_plan(self, inputs: dict[str, Any], mode: str) -> tuple[Plan, PaddedBatch]:
+        """The plan of TRL's micro-batch ``inputs`` and the batch that packs its ``[B, T]`` tensors."""
         completion_mask = inputs["completion_mask"]  # [B, T]
         loss_mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         rows, width = completion_mask.shape
-        # every row is a sequence: one without a completion token keeps its first position (a non-member)
-        first = torch.arange(width, device=completion_mask.device) == 0  # [T]
-        layout = PaddedLayout.from_attention_mask(completion_mask.bool() | first)  # reads the B row lengths
-
-        def packed(name: str, value: Tensor | None) -> Tensor | None:
-            return None if value is None else layout.pack(value, name)
-
+        batch = PaddedBatch.of(loss_mask.bool(), "members", positions=completion_mask.bool())
         advantages = inputs["advantages"]
         if advantages.dim() == 1:  # one per completion (TRL); [B, T] from subclasses
             advantages = advantages[:, None].expand(rows, width)
-        old = inputs.get("old_per_token_logps")
-        sampling = inputs.get("sampling_per_token_logps")
+        old, sampling = inputs.get("old_per_token_logps"), inputs.get("sampling_per_token_logps")
         if sampling is not None and old is not None:
             sampling = torch.where(torch.isnan(sampling), old, sampling)  # vLLM gave no log-prob: ρ = 1, as TRL
-        plan = Plan(
-            layout.seq_lens,
-            self._components(layout.pack(loss_mask.bool(), "completion_mask"), rows, mode),
-            inference_logprobs=packed("sampling_per_token_logps", sampling),
-            old_logprobs=packed("old_per_token_logps", old),
-            ref_logprobs=packed("ref_per_token_logps", inputs.get("ref_per_token_logps")),
-            advantages=packed("advantages", advantages),
+        plan = batch.plan(
+            self._components(batch.members, rows, mode),
+            rollout_logprobs=sampling,
+            old_logprobs=old,
+            ref_logprobs=inputs.get("ref_per_token_logps"),
+            advantages=advantages,
         )
-        return plan, layout
+        return plan, batch
 
     def _trl_denominators(self, plan: Plan, inputs: dict[str, Any], mode: str) -> StepDenominators:
-        """TRL's normalisers of this call as step counts (module doc, ``"trl"``)."""
+        """TRL's normalisers of this call as step counts (``docs/integrations/trl.md``)."""
         accumulation, world = self._accumulation(mode), self.accelerator.num_processes
         per_generation = self.args.steps_per_generation if mode == "train" else 1
         counts = {}
@@ -229,8 +207,8 @@ class PacklossGRPOTrainer(GRPOTrainer):
             compute_aux_loss=self.aux_loss_enabled,
             **{key: inputs.get(key) for key in _FORWARD_KWARGS},
         )
-        plan, layout = self._packloss_plan(inputs, mode)
-        outputs = Outputs(logprobs=layout.pack(per_token_logps, "per_token_logps"), entropy=layout.pack(entropies))
+        plan, batch = self._packloss_plan(inputs, mode)
+        outputs = batch.outputs(logprobs=per_token_logps, entropy=entropies)
         result = compute_loss(plan, outputs, self._denominators(plan, inputs, mode), per_sequence_metrics=True)
         # packloss: this rank's share of the step's loss, summed over ranks; accelerate's DDP averages
         loss = result.loss * self.accelerator.num_processes
@@ -244,47 +222,48 @@ class PacklossGRPOTrainer(GRPOTrainer):
     # Metrics
     # -----------------------------------------------------------------------------------------------
 
+    def _family(self) -> str:
+        return "ppo" if self.loss_type in _PPO_FAMILY else self.loss_type
+
     def _log_packloss_metrics(self, result: LossResult, plan: Plan, outputs: Outputs, mode: str) -> None:
-        """TRL's metrics from packloss's, and packloss's as ``packloss/...`` (module doc): one sum
-        all-reduce and one gather (of the ``min``/``max`` metrics) over the ranks, one host read each."""
-        members = next(iter(plan.members.values()))  # every part trains on TRL's loss mask
+        """TRL's metrics from packloss's (:data:`TRL_METRICS`), and packloss's as ``packloss/...``: one
+        sum all-reduce and one gather (of the ``min``/``max`` metrics) over the ranks, one host read each."""
+        members = plan.members[POLICY]  # every component trains on TRL's loss mask
         metrics, counts = result.metrics, result.counts  # [S] each: per_sequence_metrics
         rows = float(plan.num_seqs)
+        sequence = self.importance_sampling_level == "sequence"  # TRL: one ratio per row, s_i = 1 if empty
 
-        def token_mean(key: str) -> tuple[Tensor, Tensor]:
-            has = counts[key] > 0
-            return torch.where(has, metrics[key] * counts[key], 0.0).sum(), counts[key].sum()
+        def summed(keys: tuple[str, ...]) -> tuple[Tensor, Tensor]:  # per sequence: values and counts
+            full = [f"{POLICY}/{k}" for k in keys]
+            return sum(metrics[k] for k in full), counts[full[0]]
 
-        def row_mean(key: str, empty: float = 0.0) -> tuple[Tensor, Tensor]:
-            """TRL's mean of a per-sequence value over the rows; ``empty``: TRL's value for a row without
-            a loss token."""
-            total = torch.where(counts[key] > 0, metrics[key], empty).sum()
+        def token_mean(values: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
+            return torch.where(count > 0, values * count, 0.0).sum(), count.sum()
+
+        def row_mean(values: Tensor, count: Tensor, empty: float = 0.0) -> tuple[Tensor, Tensor]:
+            total = torch.where(count > 0, values, empty).sum()
             return total, torch.full_like(total, rows)
 
-        def extreme(key: str, lowest: bool, empty: float | None = None) -> tuple[Tensor, bool]:
-            """The min / max over the sequences with members (and ``empty`` for a row without)."""
+        def extreme(values: Tensor, count: Tensor, lowest: bool, empty: float | None) -> tuple[Tensor, bool]:
             fill = (float("inf") if lowest else float("-inf")) if empty is None else empty
-            values = torch.where(counts[key] > 0, metrics[key], fill)
+            values = torch.where(count > 0, values, fill)
             return (values.amin() if lowest else values.amax()), lowest
 
         entropy = torch.where(members, outputs.entropy.detach(), 0.0)
         means: dict[str, tuple[Tensor, Tensor]] = {"entropy": (entropy.sum(), members.sum(dtype=entropy.dtype))}
         extremes: dict[str, tuple[Tensor, bool]] = {}
         if self.beta != 0.0:
-            means["kl"] = token_mean("kl/ratio_weighted_kl" if "kl" in plan.components else "pg/ref_kl_penalty")
-        sequence = self.importance_sampling_level == "sequence"  # TRL: one ratio per row, s_i = 1 if empty
-        ratio_mean = row_mean if sequence else token_mean
-        if self.loss_type in _PPO_FAMILY:
-            low, high = ratio_mean("pg/clip_frac_low"), ratio_mean("pg/clip_frac_high")
-            means["clip_ratio/low_mean"], means["clip_ratio/high_mean"] = low, high
-            means["clip_ratio/region_mean"] = (low[0] + high[0], low[1])  # disjoint: A < 0 and A > 0
-            empty = 0.0 if sequence else None  # unclipped; at token level TRL's row mean is NaN there
-            extremes["clip_ratio/low_min"] = extreme("pg/clip_frac_low", lowest=True, empty=empty)
-            extremes["clip_ratio/high_max"] = extreme("pg/clip_frac_high", lowest=False, empty=empty)
-        elif self.loss_type == "cispo":
-            means["cispo_clip_ratio"] = ratio_mean("pg/clip_frac_high")
-        elif self.loss_type == "vespo":
-            means["vespo/phi_seq_mean"] = row_mean("pg/phi", empty=1.0)  # an empty row's w is 1: φ(1) = 1
+            key = "kl/ratio_weighted_kl" if "kl" in plan.components else f"{POLICY}/ref_kl_penalty"
+            means["kl"] = token_mean(metrics[key], counts[key])
+        for name, rule in TRL_METRICS.get(self._family(), {}).items():
+            values, count = summed(rule.sources)
+            if rule.reduce in ("min", "max"):
+                empty = rule.empty_at_sequence_level if sequence else rule.empty
+                extremes[name] = extreme(values, count, rule.reduce == "min", empty)
+            elif rule.reduce == "rows" or (rule.reduce == "ratio" and sequence):
+                means[name] = row_mean(values, count, rule.empty or 0.0)
+            else:
+                means[name] = token_mean(values, count)
         if self._entropy_bonus_enabled:  # TRL: the policy (and KL) loss of this rank, before its / G
             scale = self.accelerator.num_processes
             scale *= 1 if self.loss_type in _GENERATION_TOKEN_MEAN else self._accumulation(mode)
@@ -292,9 +271,9 @@ class PacklossGRPOTrainer(GRPOTrainer):
             means["policy_loss"] = (policy, torch.ones_like(policy))  # averaged over the ranks
         for key in sorted(metrics):
             if key.endswith(("_min", "_max")):
-                extremes[f"packloss/{key}"] = extreme(key, lowest=key.endswith("_min"))
+                extremes[f"packloss/{key}"] = extreme(metrics[key], counts[key], key.endswith("_min"), None)
             else:
-                means[f"packloss/{key}"] = token_mean(key)
+                means[f"packloss/{key}"] = token_mean(metrics[key], counts[key])
 
         pairs = torch.stack([torch.stack([s.to(torch.float64), c.to(torch.float64)]) for s, c in means.values()])
         totals = self.accelerator.reduce(pairs, reduction="sum")  # [K, 2]

@@ -33,11 +33,12 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer
 
+from conftest import ROOT
 from packloss.integrations.trl import LOSS_TYPES, PacklossGRPOTrainer
 from packloss.testing.trl import bare_grpo_trainer
-from tests.integrations.test_trl import F64, assert_close, cases, compute, config, padded_batch
+from tests.integrations.trl.harness import F64, assert_close, cases, compute, config, padded_batch
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations" / "trl.md"
+DOC = ROOT / "docs" / "integrations" / "trl.md"
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(9)]
 NOT_COMPARED = {"step_time", "epoch", "step", "learning_rate"}  # wall-clock and bookkeeping
 PPO_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
