@@ -37,9 +37,10 @@ def test_chunk_rows_explicit(chunk_size: int) -> None:
     assert chunk_rows(50, torch.device("cuda"), chunk_size, budget=MATMUL) == chunk_size
 
 
-@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8", 4.0])
-def test_chunk_rows_invalid(bad) -> None:
-    with pytest.raises(ValueError, match="chunk_size"):
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (-3, ValueError), (2.5, TypeError), (True, TypeError),
+                                        ("8", TypeError), (4.0, TypeError)])  # fmt: skip
+def test_chunk_rows_invalid(bad, error) -> None:
+    with pytest.raises(error, match="chunk_size"):
         chunk_rows(50, CPU, bad)
 
 

@@ -377,7 +377,7 @@ def test_teacher_gets_no_gradient() -> None:
         (lambda s, t, m: reverse_kl(s, t, m, temperature="1"), TypeError),
         (lambda s, t, m: reverse_kl(s, t, m, impl="triton"), ValueError),
         (lambda s, t, m: reverse_kl(s, t, m, chunk_size=0), ValueError),
-        (lambda s, t, m: reverse_kl(s, t, m, chunk_size=2.5), ValueError),
+        (lambda s, t, m: reverse_kl(s, t, m, chunk_size=2.5), TypeError),
         (lambda s, t, m: reverse_kl(s, t, m, parallel="world"), TypeError),
         (lambda s, t, m: jsd(s, t, m, beta=1.5), ValueError),
         (lambda s, t, m: jsd(s, t, m, beta=math.nan), ValueError),

@@ -130,9 +130,7 @@ def causal_lm_logprobs(
 
 
 def patch_causal_lm(
-    model: torch.nn.Module,
-    chunk_size: int | None = None,
-    vocab_chunk_size: int | None = None,
+    model: torch.nn.Module, chunk_size: int | None = None, vocab_chunk_size: int | None = None
 ) -> torch.nn.Module:
     """Make ``model(input_ids, labels=..., temperature=..., return_entropy=..., entropy_grad=...,
     **kwargs)`` return a :class:`FusedCausalLMOutput` (see module doc); returns ``model`` itself.

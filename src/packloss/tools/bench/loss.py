@@ -12,7 +12,7 @@ and each packing density (sequences per bin), three implementations run on the s
   sequence;
 * ``compat_floor`` — the same computation with the lists read the cheapest way and nothing checked:
   each list without grad ``torch.cat``'d, the trainer log-probs' packed row and the lengths taken as
-  given, then compat's plan and engine (``prime_rl._packed_loss``). What any list API pays at least;
+  given, then compat's plan and engine (``integrations.prime_rl.loss.packed_loss``). What any list API pays at least;
   ``compat`` ÷ ``compat_floor`` is what compat's list checks cost. Timed round-robin with ``compat``;
 * ``compiled`` — the same call under ``torch.compile`` (forward compiled by dynamo/inductor, backward
   by AOTAutograd). ``first_call_s`` is the wall time of the first forward+backward at that packing
@@ -46,6 +46,7 @@ from torch import Tensor
 
 from packloss.compat import prime_rl
 from packloss.compat.prime_rl import DefaultLossConfig
+from packloss.integrations.prime_rl.loss import packed_loss
 from packloss.core.bin import Outputs, Plan
 from packloss.core.engine import compute_loss
 from packloss.core.pg import DPPO
@@ -153,7 +154,7 @@ def _compat_floor_step(streams: Streams) -> Callable[[], None]:
     def step() -> None:
         trn.grad = None
         packed = {k: None if v is None else torch.cat(v) for k, v in lists.items()}
-        loss, _ = prime_rl._packed_loss({"trainer_logprobs": trn, **packed}, seq_lens, rl_loss_fn, **scales)
+        loss, _ = packed_loss({"trainer_logprobs": trn, **packed}, seq_lens, rl_loss_fn, **scales)
         loss.backward()
 
     return step

@@ -162,7 +162,7 @@ def rl_batch(num_tokens: int, num_seqs: int, seed: int = 0) -> RLBatch:
 
 def _packloss_plan(recipe: Any, b: RLBatch) -> Plan:
     adv = b.adv[:, None].expand_as(b.valid)
-    return Plan(b.seq_lens, recipe.components(b.packed(b.mask)), old_logprobs=b.packed(b.old), advantages=b.packed(adv))
+    return Plan(b.seq_lens, recipe.for_bin(b.packed(b.mask)), old_logprobs=b.packed(b.old), advantages=b.packed(adv))
 
 
 def _trl_config(b: RLBatch) -> SimpleNamespace:
