@@ -1,26 +1,8 @@
-"""Hugging Face integration: per-token log-probs and entropy of a causal LM through the fused head.
-
-Two entry points, one convention:
-
-* :func:`causal_lm_logprobs` ``(model, input_ids, labels, *, temperature, ...)`` runs the backbone
-  ``model.model`` and the fused head (:func:`packloss.vocab.head.linear_logprobs`) on
-  ``model.lm_head.weight`` and returns a :class:`FusedCausalLMOutput`.
-* :func:`patch_causal_lm` ``(model)`` makes ``model(input_ids, labels=..., temperature=...)`` do the
-  same. Without ``labels`` the patched model runs its original forward (logits), so ``generate``
-  keeps working.
-
-``labels`` are aligned with the positions: ``labels[b, t]`` is the token scored at position ``t``
-(the *next* token for causal LM training; :func:`next_token_labels` builds them from ``input_ids``),
-and ``-100`` (``ignore_index``) marks positions without a label (log-prob 0, no gradient). The
-output has ``.logprobs`` and ``.entropy`` (``[B, S]`` float32) and no ``.logits``. ``temperature`` is
-a float or a ``[B, S]`` tensor of per-position temperatures. The weight is read from
-``model.lm_head.weight`` at every call (never copied), so tied embeddings stay tied and receive the
-gradient of both uses. A Gemma-style ``config.final_logit_softcapping`` is honoured.
-
-``transformers`` is imported nowhere: any module with a ``.model`` backbone returning
-``last_hidden_state`` and a bias-free ``.lm_head`` works (``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
-``MistralForCausalLM``, …).
-"""
+"""Hugging Face causal LMs (Llama, Qwen2, Mistral, …) through the fused head: :func:`causal_lm_logprobs`
+runs the backbone and :func:`~packloss.vocab.head.linear_logprobs` on ``model.lm_head.weight``;
+:func:`patch_causal_lm` makes ``model(input_ids, labels=...)`` do the same (without ``labels`` the
+original forward runs, so ``generate`` works). ``transformers`` is never imported. Conventions
+(labels, ``-100``, temperature, tied embeddings, softcapping): ``docs/distill.md``."""
 
 from __future__ import annotations
 

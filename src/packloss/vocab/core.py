@@ -1,25 +1,8 @@
 """The vocabulary core shared by :mod:`packloss.vocab.distill` (from logits) and
-:mod:`packloss.vocab.head` (from hidden states): one chunk policy, one vocab-parallel options object,
-one divergence registry and one per-chunk kernel.
-
-Notation (per token, every tensor ``[V]``): student logits ``s``, teacher logits ``t``, the student
-temperature ``T`` and the teacher temperature ``T_t``; ``q = softmax(s / T)``, ``p = softmax(t / T_t)``.
-
-A divergence ``L(q, p)`` and its gradient ``∂L/∂s`` are computed on one ``[c, V]`` block of token rows
-in three stages, in float32 whatever the input dtype (float64 stays float64):
-
-1. :func:`log_probs`: ``log q`` and ``log p``, normalised over the whole vocabulary;
-2. ``Divergence.sums``: the per-token partial sums over the block (``[k, c]``) and the block state the
-   gradient needs;
-3. ``Divergence.grad``: the per-token loss ``[c]`` and ``∂L/∂s`` ``[c, V]`` from the summed scalars.
-
-A new divergence is these two functions plus one entry of :data:`DIVERGENCES`.
-
-Vocab-parallel (:class:`VocabParallel`): the block is this rank's contiguous shard of the vocabulary
-(student and teacher sharded alike). Stage 1 all-reduces the per-token log-sum-exp (one MAX and one
-SUM of ``[2, c]``), stage 2 the ``[k, c]`` sums (one SUM); stage 3 is local to the shard. Nothing of
-size ``c × V`` is communicated, and no op reads a device value on the host.
-"""
+:mod:`packloss.vocab.head` (from hidden states): one chunk policy, one vocab-parallel options object
+(:class:`VocabParallel`), one divergence registry (:data:`DIVERGENCES`: a divergence is its per-chunk
+partial sums and its gradient) and one per-chunk kernel, in float32 whatever the input dtype. The
+three stages, the vocab-parallel collectives and the chunk budgets: ``docs/distill.md``."""
 
 from __future__ import annotations
 
@@ -170,22 +153,10 @@ class ChunkBudget:
     accelerator: int
 
 
-# Elementwise passes over [rows, V] blocks (the divergence core): on CPU 2**18 float32 elements
-# (1 MiB) per buffer and thread keep each thread's share of the ~5 live buffers in its cache (2-3x
-# faster than naive autograd on one thread, and faster than 16 MiB chunks); on CUDA 2**26 (256 MiB)
-# fills the device.
-ELEMENTWISE = ChunkBudget(cpu_per_thread=2**18, accelerator=2**26)
-# Whole-vocabulary token chunks that feed matmuls against the LM-head weight (linear_distill): each
-# chunk re-reads the weight, so on CPU a chunk needs enough rows to stay compute-bound. Measured on one
-# thread: linear_distill (N=1024, H=512, V=32768) 12.1 s with 8-row chunks, 2.8 s with 128-256; at
-# N=2048 beside Liger, 64 rows 1.12x, 128 (this budget) 1.05x, 256 1.18x.
-MATMUL = ChunkBudget(cpu_per_thread=2**22, accelerator=2**26)
-# Token × vocabulary blocks of the fused head (C × B logits, B = 1024 by default on CPU): on CPU 2**19
-# elements (2 MiB) per thread keep the block L3-resident between its matmul and the elementwise passes.
-# Measured on one thread (N=2048, H=512, V=32768, fwd+bwd) beside cut-cross-entropy's compiled path:
-# 512 × 1024 0.97x, 1024 × 1024 1.00x, 2048 × 512 1.03x, 256 × 4096 1.08x, 512 × 8192 (the old default,
-# fresh buffers per block) 1.11x.
-HEAD_BLOCK = ChunkBudget(cpu_per_thread=2**19, accelerator=2**26)
+# The three budgets and the measurements behind them: docs/distill.md, "Chunk budgets".
+ELEMENTWISE = ChunkBudget(cpu_per_thread=2**18, accelerator=2**26)  # elementwise passes over [rows, V]
+MATMUL = ChunkBudget(cpu_per_thread=2**22, accelerator=2**26)  # whole-vocabulary chunks feeding GEMMs
+HEAD_BLOCK = ChunkBudget(cpu_per_thread=2**19, accelerator=2**26)  # the fused head's token × vocab blocks
 
 
 def chunk_rows(

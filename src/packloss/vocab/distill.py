@@ -1,34 +1,6 @@
-"""Full-vocabulary distillation from logits: per-token reverse KL, forward KL, JSD(β), soft cross-entropy.
-
-Notation (per token, every tensor ``[V]``): student logits ``s``, teacher logits ``t``, temperatures
-``T`` (student) and ``T_t`` (teacher); ``q = softmax(s / T)``, ``p = softmax(t / T_t)``.
-
-* :func:`reverse_kl` ``KL(q‖p) = Σ_v q (log q − log p)``
-* :func:`forward_kl` ``KL(p‖q) = Σ_v p (log p − log q)``
-* :func:`jsd` ``β KL(p‖m) + (1 − β) KL(q‖m)`` with ``m = β p + (1 − β) q`` (GKD / TRL convention:
-  ``β = 0`` is forward KL, ``β = 1`` is reverse KL)
-* :func:`soft_cross_entropy` ``−Σ_v p log q``
-
-:func:`divergence` runs any entry of :data:`~packloss.vocab.core.DIVERGENCES` and returns the
-per-token divergence ``L [N]`` (0 off the members). The caller reduces it, e.g.
-``(loss * w).sum() / d``; the packed-bin engine does so through :class:`~packloss.vocab.VocabDistill`.
-
-How: a custom :class:`torch.autograd.Function` computes, in its forward, the per-token losses AND the
-per-token gradients ``∂L_t/∂s_t`` chunk by chunk over tokens (:func:`~packloss.vocab.core.chunk_core`),
-in float32 whatever the input dtype (float64 stays float64), with ``O(chunk × V)`` scratch. It writes
-the gradient into one ``[N, V]`` tensor of the logits' dtype and saves only that tensor (and the
-``[N]`` mask). Its backward receives ``g = ∂(caller's loss)/∂L [N]`` and scales row ``t`` by ``g_t``
-chunk by chunk in float32, writing back in place, so no second ``[N, V]`` tensor exists (when the
-backward retains the graph, ``retain_graph=True``, it writes to a new tensor instead, so repeated
-backwards stay correct). Non-member rows are exactly zero in the saved gradient and ``g`` is zeroed
-there too, so their logits may hold anything (±inf, NaN). No host synchronisation. The gradient is
-first-order only: differentiating it again (``create_graph=True``) raises ``RuntimeError``.
-
-Edges: terms with ``p = 0`` or ``q = 0`` count 0 (``0 · log 0 = 0``) whatever the teacher format, so a
-teacher with ``−inf`` logits and a padded vocabulary (``−inf`` at the same entries of student and
-teacher) give finite values and a zero gradient on the padded entries; a teacher zero where ``q > 0``
-gives reverse KL ``+inf`` (the true value). ``N = 0`` gives an empty ``[0]`` result.
-"""
+"""Full-vocabulary distillation from logits: per-token reverse KL, forward KL, JSD(β) and soft
+cross-entropy ``[N]`` (0 off the members), with the gradient computed in the forward chunk by chunk and
+one saved ``[N, V]`` gradient. Formulas, memory, edge cases: ``docs/distill.md``."""
 
 from __future__ import annotations
 

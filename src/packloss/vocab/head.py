@@ -1,30 +1,7 @@
-"""Fused LM head: per-token log-probs and entropy straight from hidden states.
-
-For hidden states ``h [N, H]`` and the output weight ``W [V, H]`` the logits of token ``i`` are
-``z_i = W h_i``, ``l_i = c · tanh(z_i / c)`` (softcap ``c``, Gemma style; else ``l_i = z_i``) and
-``x_i = l_i / T_i`` (per-token temperature). With ``logZ_i = log Σ_v exp(x_iv)``, ``p_i = softmax(x_i)``::
-
-    logprob_i = x_{i, y_i} − logZ_i                # y_i the label
-    entropy_i = −Σ_v p_iv log p_iv = logZ_i − Σ_v p_iv x_iv
-
-:func:`linear_logprobs` never materialises ``N × V``: the forward walks token chunks ``[C, H]`` and
-vocab blocks ``[B, H]`` of ``W`` and keeps, per token, an online log-sum-exp state
-``m = max_v x_v``, ``s = Σ_v exp(x_v − m)``, ``b = Σ_v exp(x_v − m)(x_v − m)``, so that
-``logZ = m + log s`` and ``entropy = log s − b / s`` (free of cancellation for large logits). The label
-logit is gathered branch-free (every block adds ``torch.where(in_block, x[label], 0)``). The backward
-recomputes each block's logits (:func:`_logprobs_backward`).
-
-:func:`~packloss.vocab.head_distill.linear_distill` (distillation from hidden states) lives in
-:mod:`packloss.vocab.head_distill` and shares this module's validation.
-
-Vocab-parallel (``parallel=VocabParallel(group)``): ``weight`` is this rank's contiguous vocabulary
-shard ``[V_local, H]``; ``hidden`` and ``labels`` (global ids) are replicated. Only per-token scalars
-are all-reduced, then ``d_hidden`` (SUM) once: values and ``d_hidden`` equal the single-process ones
-on every rank, ``d_weight`` is this rank's rows. No op reads a device value on the host.
-
-Compute dtype: float32 for any input dtype (float64 for float64 inputs, so ``gradcheck`` works);
-outputs are in the compute dtype, gradients in the dtype of their input.
-"""
+"""The fused LM head: per-token log-probs and entropy straight from hidden states ``h [N, H]`` and the
+output weight ``W [V, H]`` (:func:`linear_logprobs`), with an online log-sum-exp over vocabulary blocks,
+so the ``N × V`` logits never exist; softcap, per-token temperature and vocab-parallel shards.
+Formulas, the block buffer and the backward: ``docs/distill.md``."""
 
 from __future__ import annotations
 

@@ -20,17 +20,32 @@ class ConfigReader:
     """Reads the options of ``config`` (``where`` names it in errors, e.g. ``"GRPOConfig"``).
 
     ``defaults`` are the peer's defaults for options the config may lack; a default given to a call
-    wins over them. An OmegaConf mandatory value (``???``) reads as absent.
+    wins over them. ``overrides`` win over the config (:meth:`with_overrides`). An OmegaConf mandatory
+    value (``???``) reads as absent.
     """
 
-    def __init__(self, config: Any, where: str, defaults: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        config: Any,
+        where: str,
+        defaults: Mapping[str, Any] | None = None,
+        overrides: Mapping[str, Any] | None = None,
+    ) -> None:
         if config is None or isinstance(config, str | bytes | int | float | bool):
             raise TypeError(f"{where} must be a config object or a mapping, got {config!r}")
         self.config = config
         self.where = where
         self.defaults = dict(defaults or {})
+        self.overrides = dict(overrides or {})
+
+    def with_overrides(self, **changes: Any) -> ConfigReader:
+        """This config read with ``changes`` in place of its own options (a value may be a reader, for
+        a nested config)."""
+        return ConfigReader(self.config, self.where, self.defaults, {**self.overrides, **changes})
 
     def _raw(self, key: str) -> Any:
+        if key in self.overrides:
+            return self.overrides[key]
         cfg = self.config
         if isinstance(cfg, Mapping) and not dataclasses.is_dataclass(cfg):
             return cfg[key] if key in cfg else MISSING
@@ -81,6 +96,8 @@ class ConfigReader:
     def section(self, key: str, defaults: Mapping[str, Any] | None = None) -> ConfigReader:
         """The nested config ``key`` (an empty one when absent or None)."""
         value = self.get(key, None)
+        if isinstance(value, ConfigReader):
+            return value
         return ConfigReader({} if value is None else value, self.name(key), defaults)
 
     def declared(self) -> set[str] | None:

@@ -7,6 +7,8 @@ differences from prime-rl's code: ``docs/integrations/prime_rl.md``."""
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
@@ -172,32 +174,41 @@ def _as_inputs(inputs: Any) -> LossInputs:
     )
 
 
-class IPOLoss:
-    """prime-rl's IPO loss: ``keep = |exp(trn) − exp(inf)| ≤ eps``,
-    ``ℓ = −keep · (adv_tau · A) · r + kl_tau · (trn − inf)²`` (:class:`~packloss.core.trust_regions.IPOMask`)."""
+class _ObjectiveLoss:
+    """A loss object around one :class:`~packloss.PolicyGradient` built from its config."""
 
     def __init__(self, config: Any) -> None:
         self.config = config
-        eps, adv_tau, kl_tau = _ipo_params(config)
-        drift = (KLPenalty(kl_tau, "squared_log_ratio", "rollout"),) if kl_tau > 0 else ()
-        self.objective = PolicyGradient(IPOMask(eps), ratio="rollout", adv_coef=adv_tau, penalties=drift)
+        self.objective = self.build(config)
+
+    @staticmethod
+    def build(config: Any) -> PolicyGradient:
+        raise NotImplementedError
 
     def loss(self, inputs: LossInputs) -> LossOutputs:
         return summed(_as_inputs(inputs), self.objective, METRICS)
 
 
-class IcePopLoss:
+class IPOLoss(_ObjectiveLoss):
+    """prime-rl's IPO loss: ``keep = |exp(trn) − exp(inf)| ≤ eps``,
+    ``ℓ = −keep · (adv_tau · A) · r + kl_tau · (trn − inf)²`` (:class:`~packloss.core.trust_regions.IPOMask`)."""
+
+    @staticmethod
+    def build(config: Any) -> PolicyGradient:
+        eps, adv_tau, kl_tau = _ipo_params(config)
+        drift = (KLPenalty(kl_tau, "squared_log_ratio", "rollout"),) if kl_tau > 0 else ()
+        return PolicyGradient(IPOMask(eps), ratio="rollout", adv_coef=adv_tau, penalties=drift)
+
+
+class IcePopLoss(_ObjectiveLoss):
     """prime-rl's IcePop loss: ``keep = log(ratio_low) ≤ trn − inf ≤ log(ratio_high)``,
     ``ℓ = −keep · adv_tau · A · exp(where(keep, trn − inf, 0))``
     (:class:`~packloss.core.trust_regions.IcePopLogBand`). No KL term."""
 
-    def __init__(self, config: Any) -> None:
-        self.config = config
+    @staticmethod
+    def build(config: Any) -> PolicyGradient:
         low, high, adv_tau = _icepop_params(config)
-        self.objective = PolicyGradient(IcePopLogBand(low, high), ratio="rollout", adv_coef=adv_tau)
-
-    def loss(self, inputs: LossInputs) -> LossOutputs:
-        return summed(_as_inputs(inputs), self.objective, METRICS)
+        return PolicyGradient(IcePopLogBand(low, high), ratio="rollout", adv_coef=adv_tau)
 
 
 class CustomLoss:
@@ -238,38 +249,20 @@ def setup_rl_loss_fn(loss_config: Any) -> Loss:
     return builders[kind](loss_config)
 
 
-def compute_loss(
-    trainer_logprobs: list[Tensor],
-    inference_logprobs: list[Tensor],
-    ref_logprobs: list[Tensor] | None,
-    advantages: list[Tensor],
-    loss_mask: list[Tensor],
-    rl_weights: list[Tensor] | None,
-    ce_weights: list[Tensor] | None,
-    ref_kl_weights: list[Tensor] | None,
-    rl_loss_fn: Loss,
-    rl_scale: int,
-    ce_scale: int,
-    ref_kl_scale: int,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """prime-rl's ``compute_loss`` with ``rl_loss_fn.loss`` as the rl loss (one call per bin)."""
-    method = getattr(rl_loss_fn, "loss", None)
+@functools.wraps(_loss.compute_loss)
+def compute_loss(*args: Any, **kwargs: Any) -> tuple[Tensor, dict[str, Tensor]]:
+    bound = _SIGNATURE.bind(*args, **kwargs)
+    method = getattr(bound.arguments["rl_loss_fn"], "loss", None)
     if not callable(method):
         raise TypeError(
             "rl_loss_fn must be a Loss (an object with a .loss(inputs) method, as setup_rl_loss_fn builds), "
-            f"got {type(rl_loss_fn).__name__}; a plain loss function is the #2951-era API (packloss.compat.prime_rl)"
+            f"got {type(bound.arguments['rl_loss_fn']).__name__}; a plain loss function is the #2951-era API "
+            "(packloss.compat.prime_rl)"
         )
-    return _loss.compute_loss(
-        trainer_logprobs,
-        inference_logprobs,
-        ref_logprobs,
-        advantages,
-        loss_mask,
-        rl_weights,
-        ce_weights,
-        ref_kl_weights,
-        method,
-        rl_scale,
-        ce_scale,
-        ref_kl_scale,
-    )
+    bound.arguments["rl_loss_fn"] = method
+    return _loss.compute_loss(*bound.args, **bound.kwargs)
+
+
+compute_loss.__doc__ = """prime-rl's ``compute_loss`` (:func:`packloss.integrations.prime_rl.loss.compute_loss`'s
+signature) with ``rl_loss_fn.loss`` as the rl loss, called once per bin."""
+_SIGNATURE = inspect.signature(_loss.compute_loss)

@@ -360,7 +360,7 @@ def from_verl(
     Raises ``NotImplementedError`` naming an option packloss cannot express, ``ValueError`` /
     ``TypeError`` naming a setting verl would reject (or a missing ``G`` / ``T``).
     """
-    c = ConfigReader(actor_config, "actor_config")
+    c = actor_config if isinstance(actor_config, ConfigReader) else ConfigReader(actor_config, "actor_config")
     p = c.section("policy_loss")
     mode = p.get("loss_mode", "vanilla")
     agg = c.get("loss_agg_mode", "token-mean")

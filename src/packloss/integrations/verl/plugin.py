@@ -26,7 +26,7 @@ from packloss.core.pg import PolicyGradient
 from packloss.core.recipe import POLICY
 from packloss.core.step import StepDenominators, count_denominators
 from packloss.core.trust_regions import DPPOKL, DPPOTV, GMPO, GSPO, TOPR, ClipCov, DPPOMask, PPOClip
-from packloss.integrations.common.config import MISSING, ConfigReader
+from packloss.integrations.common.config import ConfigReader
 from packloss.integrations.common.metrics import RenameTable, component_metrics, peer_metrics
 from packloss.integrations.common.padded import PaddedBatch, check_padded, log_ratio_mean
 from packloss.integrations.verl.config import LOSS_AGG_MODES, LOSS_MODES, clip_range, from_verl
@@ -55,29 +55,12 @@ CLIP_FRACTIONS: dict[type, RenameTable] = {
 """verl's clip fractions as sums of packloss metrics with the same meaning, by trust region."""
 
 
-class _Overlay:
-    """A config that reads as ``base`` except for the keys in ``changes`` (attribute access). A key
-    ``base`` lacks raises ``AttributeError``, so ``from_verl`` takes its default."""
-
-    def __init__(self, base: Any, **changes: Any) -> None:
-        self.__dict__["_base"] = ConfigReader({} if base is None else base, "actor_config")
-        self.__dict__["_changes"] = changes
-
-    def __getattr__(self, key: str) -> Any:
-        changes, base = self.__dict__["_changes"], self.__dict__["_base"]
-        if key in changes:
-            return changes[key]
-        value = base.get(key, MISSING) if base.has(key) else MISSING
-        if value is MISSING:
-            raise AttributeError(key)
-        return value
-
-
 def _verl_objective(mode: str, config: Any, agg: str, response_length: int) -> PolicyGradient:
     """``from_verl``'s ``"pg"`` objective of ``mode`` without the KL penalty and the entropy bonus
     (verl's ``ppo_loss`` adds those itself)."""
-    policy = _Overlay(ConfigReader(config, "actor_config").get("policy_loss", {}) or {}, loss_mode=mode)
-    actor = _Overlay(config, policy_loss=policy, loss_agg_mode=agg, use_kl_loss=False, entropy_coeff=0.0)
+    c = ConfigReader(config, "actor_config")
+    policy = c.section("policy_loss").with_overrides(loss_mode=mode)
+    actor = c.with_overrides(policy_loss=policy, loss_agg_mode=agg, use_kl_loss=False, entropy_coeff=0.0)
     # global_batch_size / response_length only feed the recipe's constant, which _step replaces
     return from_verl(actor, global_batch_size=1, response_length=response_length).components[POLICY].loss
 

@@ -1,22 +1,5 @@
-"""The ``distill`` suite: time and peak memory of full-vocabulary reverse KL, naive vs. packloss.
-
-Variants (each measured in a fresh process, :func:`packloss.tools.bench._measure.run_fresh`):
-
-* ``naive_eager``: ``log_softmax`` twice + ``kl_div`` under autograd (keeps several ``[N, V]``
-  float32 tensors for backward);
-* ``naive_compiled``: the same function under ``torch.compile``;
-* ``packloss_eager`` / ``packloss_compiled``: :func:`packloss.vocab.distill.reverse_kl` with
-  ``impl="eager"`` / ``impl="compiled"``, its per-token ``[N]`` divergences summed and divided by
-  the member count.
-
-Every variant is the same token-normalised loss, ``Σ_{members} KL(q‖p) / #members``.
-
-Figures per row: ``time_ms`` (median forward+backward), ``peak_bytes`` (peak memory added by one
-forward+backward over the inputs already in memory: CPU peak RSS delta, CUDA
-``max_memory_allocated`` delta), ``peak_ratio_vs_inputs`` = (student + teacher bytes + peak_bytes)
-/ (student + teacher + gradient bytes), the ratio issue 4's memory target bounds by 1.3, and
-``peak_vs_naive_eager`` = naive eager's ``peak_bytes`` / this row's.
-"""
+"""The ``distill`` suite: full-vocabulary reverse KL from logits, fused vs naive autograd, time and
+peak memory. What it measures: ``docs/benchmarks.md``, "How the suites measure"."""
 
 from __future__ import annotations
 

@@ -1,37 +1,6 @@
-"""The ``loss`` suite: forward+backward of :func:`packloss.compute_loss` on one packed bin.
-
-For each archetype (``hot``, ``opd``, ``echo``, ``sdft``; :func:`packloss.testing.make_archetype`)
-and each packing density (sequences per bin), three implementations run on the same bin:
-
-* ``reference`` — :func:`packloss.testing.reference.compute_loss`, the per-sequence loop a trainer
-  called before prime-rl PR #2951, over per-sequence views of the bin's streams;
-* ``eager`` — the native engine, ``compute_loss(plan, Outputs(logprobs=trn), denominators)``;
-* ``compat`` — :func:`packloss.compat.prime_rl.compute_loss`, prime-rl's list API on packloss's engine,
-  over per-sequence views (a trainer's ``torch.split`` of each packed stream, split outside the timed
-  step): its time at 256 sequences ÷ at 1 shows what the lists cost per
-  sequence;
-* ``compat_floor`` — the same computation with the lists read the cheapest way and nothing checked:
-  each list without grad ``torch.cat``'d, the trainer log-probs' packed row and the lengths taken as
-  given, then compat's plan and engine (``integrations.prime_rl.loss.packed_loss``). What any list API pays at least;
-  ``compat`` ÷ ``compat_floor`` is what compat's list checks cost. Timed round-robin with ``compat``;
-* ``compiled`` — the same call under ``torch.compile`` (forward compiled by dynamo/inductor, backward
-  by AOTAutograd). ``first_call_s`` is the wall time of the first forward+backward at that packing
-  (compilation, or a recompilation when a guard failed, included); ``graphs`` is the number of
-  graphs dynamo has compiled for the archetype so far, so a recompile per packing shows as a count
-  that grows with the row.
-
-The rl objective is DPPO (prime-rl's default loss) everywhere. The native columns build each bin's
-:class:`~packloss.Plan` once, outside the timed step (a trainer builds it before the forward), and
-its step denominators once with :func:`~packloss.count_denominators` (each component's member
-count, as a trainer counts global scales over its step): float64 0-d tensors, so compiled code never
-specialises on them. The reference divides by the same counts as host ints.
-
-Per row: median forward+backward ``time_ms`` after warm-up (the native columns time their packings
-round-robin, one call of each per round, so that load from other processes spreads over all of
-them), the aten-op and sync counts of one call (:class:`packloss.testing.OpCounter`; ``None`` for
-``compiled``, whose inductor kernels are not aten ops) and ``speedup_vs_reference`` measured in the
-same run.
-"""
+"""The ``loss`` suite: forward+backward of :func:`packloss.compute_loss` on one packed bin of each
+archetype at 1 to 256 sequences, beside the per-sequence reference, prime-rl's list API (``compat``) and
+its floor, eager and compiled. What each row measures: ``docs/benchmarks.md``, "How the suites measure"."""
 
 from __future__ import annotations
 
@@ -46,11 +15,11 @@ from torch import Tensor
 
 from packloss.compat import prime_rl
 from packloss.compat.prime_rl import DefaultLossConfig
-from packloss.integrations.prime_rl.loss import packed_loss
 from packloss.core.bin import Outputs, Plan
 from packloss.core.engine import compute_loss
 from packloss.core.pg import DPPO
 from packloss.core.step import StepDenominators, count_denominators
+from packloss.integrations.prime_rl.loss import packed_loss
 from packloss.testing import OpCounter, Streams, make_archetype, random_seq_lens, reference
 from packloss.tools.bench._measure import time_ms
 

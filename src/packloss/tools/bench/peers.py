@@ -1,56 +1,7 @@
-"""The ``peers`` suite: the same data through packloss and through the peers' own code, where installed.
-
-Each comparison first checks that every variant computes the same value and gradient (``check`` below,
-:class:`ValuesDisagree` otherwise), then times them; a peer that cannot be imported is skipped with a
-note in ``result["notes"]`` (and no row). Ratios are packloss ÷ peer, measured in the same run.
-
-* ``rl/...``: forward+backward of the policy-gradient loss w.r.t. the trainer log-probs, float32, one
-  rank, one micro-batch. packloss: :func:`~packloss.compute_loss` on the packed bin (``[N]``), plan and
-  step denominators built once outside the timed step (as a trainer does), ``eager`` and ``compiled``
-  (``torch.compile``); its recipe comes from the peer's config (:func:`~packloss.integrations.trl.from_trl`,
-  :func:`~packloss.integrations.verl.from_verl`). Peers, on the same sequences padded to ``[B, T]``, in
-  eager mode as their trainers run them:
-
-  - ``rl/dapo·trl``: TRL 1.16's ``GRPOTrainer._compute_loss`` (``loss_type="dapo"``, token-level PPO
-    clip, token mean) on a bare trainer whose forward is a stub returning the given log-probs
-    (:mod:`packloss.testing.trl`, shared with ``tests/integrations/test_trl.py``); TRL's metric logging is
-    part of its call;
-  - ``rl/ppo_clip·verl``: verl 0.9.1's ``get_policy_loss_fn("vanilla")`` (dual-clip PPO, token-mean);
-  - ``rl/dppo_tv·verl``: ``get_policy_loss_fn("dppo_tv")`` (token-mean).
-
-  Checked before timing, ``|Δ| ≤ rtol · max|peer|``: the same batch in float64, packloss eager vs the
-  peer, loss and gradient (``d loss / d log-prob`` at every completion token), ``rtol = 1e-10`` (the same
-  math); the timed float32 batch, every packloss variant's gradient, ``rtol = 1e-6``. The float32 loss's
-  relative difference is reported (``loss_rel_diff``), not bounded: the loss is a token mean of signed
-  terms, so its float32 rounding scales with ``Σ|terms|``, not with the (small) total; ``grad_rel_err``
-  is the float32 gradient's. Timed round-robin (one call of each variant per round), median.
-  ``peak_bytes``: ``None`` (the streams are ``O(N)``, a few hundred KiB: below what the RSS peak resolves).
-* ``head``: log-probs of the labels from hidden states, forward+backward of ``Σ log p`` w.r.t. hidden
-  ``[N, H]`` and weight ``[V, H]``: ``naive_eager`` (``[N, V]`` logits, ``log_softmax``, gather),
-  ``packloss_fused`` (:func:`packloss.vocab.linear_logprobs`, no entropy), ``cce_torch_compile``
-  (cut-cross-entropy's ``linear_cross_entropy(impl="torch_compile", reduction="none")``, negated; its
-  ``cce`` kernel needs Triton on a GPU), ``trl_chunked`` (``trl.kernels.ChunkedLogProbFunction``, TRL's
-  fused LM head, on its torch tiles off Triton, at the tile width TRL's trainer passes).
-* ``head floor``: the head's ``N × H × V`` matmuls alone, nothing else, at the head's timed shape
-  (:func:`head_matmuls`): ``matmuls_packloss_4``, the four of ``linear_logprobs`` on its default blocks
-  (it keeps no ``[N, V]`` logits, so its backward computes them again), and ``matmuls_materialised_3``,
-  the three full-size ones of a head that keeps them (cut-cross-entropy's ``torch_compile`` path, the
-  naive head). Each is divided by every ``head`` row's time: what no head doing those matmuls at this
-  rate can go below.
-* ``distill``: generalised JSD (``β = 0.5``) of a student head against a teacher head, token mean over the
-  members (about 10% of the tokens ignored), forward+backward w.r.t. the student's hidden and weight:
-  ``naive_eager`` (materialised), ``packloss_fused`` (:func:`packloss.vocab.linear_distill`,
-  ``kind="jsd"``, the CPU default ``impl="eager"``), ``packloss_fused_compiled`` (the same with
-  ``impl="compiled"``, as Liger's row is; not under ``--quick``), ``liger_compiled`` (Liger's
-  ``chunked_loss.LigerFusedLinearJSDLoss``, torch path, ``compiled=True``, no hard loss).
-
-  ``head``, ``head floor`` and ``distill`` run each variant in a fresh process
-  (:func:`~._measure.run_fresh`): peak memory as in the ``head`` suite, then the median of ``repeat``
-  calls. Before any timing every ``head`` and ``distill`` variant's values and gradients are checked
-  against ``naive_eager`` on the check shape (the timed shape under ``--quick``) with ``rtol = 1e-5``
-  of the largest magnitude (float32 sums over ``V`` and ``N`` in different orders); each timed row
-  also carries ``value``, its ``Σ`` output at the timed shape.
-"""
+"""The ``peers`` suite: the same data through packloss and through the peers' own code, where installed
+(TRL's and verl's loss math, cut-cross-entropy's, TRL's and Liger's fused kernels), every variant checked
+to compute the same value and gradient before it is timed; ratios are packloss ÷ peer, measured in the
+same run. What each row measures: ``docs/benchmarks.md``, "How the suites measure"."""
 
 from __future__ import annotations
 
