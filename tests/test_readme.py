@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from conftest import ROOT
+
+README = ROOT / "README.md"
 
 
 def test_readme_snippets_run():
@@ -16,6 +17,6 @@ def test_readme_snippets_run():
     grad = namespace["trainer"].grad
     assert grad is not None and grad.abs().sum() > 0
     assert set(namespace["metrics"]) >= {"is_masked", "masked_mismatch_kl"}  # the prime-rl snippet's names
-    assert set(namespace["result"].metrics) >= {"rl/is_masked", "rl/loss"}
+    assert set(namespace["result"].metrics) >= {"pg/is_masked", "pg/loss"}
     assert namespace["sft"].loss.requires_grad and namespace["kd"].loss.requires_grad
-    assert "rl/rollout_is_masked" in namespace["grpo_result"].metrics
+    assert "pg/rollout_is_masked" in namespace["grpo_result"].metrics
