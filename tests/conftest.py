@@ -1,5 +1,5 @@
-"""Shared fixtures: the archetypes × prime-rl loss configs, bins in prime-rl's flat layout, and the
-per-sequence paper-reference check of the objectives."""
+"""Shared fixtures: the archetypes × prime-rl loss configs, bins in prime-rl's flat layout, the
+per-sequence paper-reference check of the objectives and the trust-region families' shared checks."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from hypothesis import strategies as st
 
-from packloss import Component, Outputs, Plan, compute_loss
+from packloss import REF_KL, Component, KLPenalty, LossResult, Outputs, Plan, PolicyGradient, compute_loss
 from packloss.compat.prime_rl import DefaultLossConfig, IPOLossConfig
-from packloss.testing import ARCHETYPES, Streams, make_archetype, random_seq_lens
+from packloss.testing import ARCHETYPES, OpCounter, Streams, make_archetype, random_seq_lens
 
 ROOT = Path(__file__).resolve().parents[1]
 """The repository root (README, docs/, scripts/)."""
@@ -155,3 +155,109 @@ def check_against_paper(objective, paper, case, with_old: bool = False, rtol: fl
     scale = max(1.0, expected.abs().item())
     assert abs(result.loss.item() - expected.item()) <= rtol * scale, (result.loss.item(), expected.item())
     assert torch.allclose(grad, grad_ref, rtol=rtol, atol=rtol), (grad - grad_ref).abs().max()
+
+
+# ---------------------------------------------------------------------------------------------------
+# The trust-region families (tests/core/trust_regions/test_*.py): one paper reference of the policy
+# gradient around each family's regions, NaN safety, no syncs and an op count flat in sequences
+# ---------------------------------------------------------------------------------------------------
+
+NORMALIZE_MODES = ("token", "position", "sequence_mean", "sequence_sum", "constant", "group_mean")
+
+
+def drift(coef: float, estimator: str = "squared_log_ratio") -> tuple[KLPenalty, ...]:
+    return (KLPenalty(coef, estimator, "rollout"),)
+
+
+def estimator(kind: str, x: torch.Tensor) -> torch.Tensor:
+    return {"squared_log_ratio": x**2, "k1": -x, "k2": x**2 / 2, "k3": x.exp() - x - 1}[kind]
+
+
+def paper_sequence_loss(seq, p: PolicyGradient, base: str, papers: dict) -> torch.Tensor:
+    """One sequence's summed loss over its members, from the papers' formulas. ``base`` is the ratio's
+    denominator (``"inf"``, ``"old"`` or ``"sg"``: on-policy); ``papers[region name](tr, trn, denominator,
+    a, adv)`` is the region's objective ``J`` (``adv`` the raw advantage, ``a = adv_coef · adv``)."""
+    trn, inf, ref = seq.trn, seq.inf, seq.ref
+    denominator = {"inf": inf, "old": seq.old, "sg": trn.detach()}[base]
+    adv = (ref - trn).detach() if p.advantage == "ref_kl" else seq.adv
+    a = p.adv_coef * adv
+    tr = p.trust_region
+    loss = -papers[tr.name](tr, trn, denominator, a, adv)
+    for k in p.penalties:
+        x = {"ref": ref - trn, "rollout": trn - inf, "old": trn - (seq.old if seq.old is not None else inf)}[k.against]
+        loss = loss + k.coef * estimator(k.estimator, x)
+    return (loss * seq.w).sum()
+
+
+def check_objective_against_paper(objective: PolicyGradient, base: str, papers: dict, case) -> None:
+    """:func:`check_against_paper` of ``objective`` with :func:`paper_sequence_loss` as the reference."""
+    paper = lambda seq: paper_sequence_loss(seq, objective, base, papers)
+    check_against_paper(objective, paper, case, with_old=base == "old")
+
+
+def check_nan_safe(rl, old: bool, ref_kl=REF_KL) -> None:
+    """Extremes, inf and NaN on non-members change neither the loss, nor its gradient, nor a metric."""
+    clean = bin_of("sdft", seed=2)
+    clean = with_old(clean) if old else clean
+    poisoned, _, _ = poison_non_members(clean)
+    out_clean = compute_loss(clean.plan(rl, ref_kl), clean.outputs())
+    out_poisoned = compute_loss(poisoned.plan(rl, ref_kl), poisoned.outputs())
+    (g_clean,) = torch.autograd.grad(out_clean.loss, clean.trainer_logprobs)
+    (g_poisoned,) = torch.autograd.grad(out_poisoned.loss, poisoned.trainer_logprobs)
+    assert torch.isfinite(g_poisoned).all() and torch.isfinite(out_poisoned.loss)
+    assert torch.equal(out_clean.loss, out_poisoned.loss)
+    assert torch.equal(g_clean, g_poisoned)
+    for key, value in out_clean.metrics.items():
+        assert torch.equal(value, out_poisoned.metrics[key]), key
+
+
+def check_sync_free_and_flat(rl, mode: str, old: bool, ref_kl=REF_KL, grouped: bool = True) -> None:
+    """Forward and backward with ``normalize=mode`` read no device value on the host, and run the same
+    number of aten ops for 1, 16 and 256 sequences (``grouped``: the plan carries group ids)."""
+    totals = set()
+    for num_seqs in (1, 16, 256):
+        streams = bin_of("sdft", num_tokens=1024, num_seqs=num_seqs, seed=3)
+        streams = with_old(streams) if old else streams
+        constants = {"rl": 1000.0, "ref_kl": 10.0} if mode == "constant" else None
+        groups = [s // 3 for s in range(num_seqs)] if grouped else None
+        plan = streams.plan(rl, ref_kl, normalize=mode, constants=constants, group_ids=groups)
+        with OpCounter() as counter:
+            compute_loss(plan, streams.outputs(), per_sequence_metrics=True).loss.backward()
+        assert counter.num_syncs == 0, counter.syncs
+        totals.add(counter.total)
+    assert len(totals) == 1, totals
+
+
+def one_bin(region, log_r, adv, lens=None, base=-1.0):
+    """A single-component plan over ``log_r`` against π_rollout (all members), float64: ``(out, grad)``
+    of the summed loss (``normalize="constant"``, C = 1)."""
+    n = len(log_r)
+    trn = (torch.tensor(log_r, dtype=torch.float64) + base).requires_grad_()
+    members = torch.ones(n, dtype=torch.bool)
+    component = Component(PolicyGradient(region, ratio="rollout"), members, None, "constant", 1.0)
+    inf = torch.full((n,), base, dtype=torch.float64)
+    plan = Plan(lens or [n], {"rl": component}, inf, advantages=torch.tensor(adv, dtype=torch.float64))
+    out = compute_loss(plan, Outputs(logprobs=trn))
+    (grad,) = torch.autograd.grad(out.loss, trn)
+    return out, grad
+
+
+# ---------------------------------------------------------------------------------------------------
+# Small bins for the components' own tests
+# ---------------------------------------------------------------------------------------------------
+
+
+def toy(n: int = 12, seed: int = 0):
+    """``(generator, seq_lens, inference, trainer, mask)`` of a 12-token bin of three sequences."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [5, 1, 6]
+    inference = torch.rand(n, generator=g).clamp_min(0.05).log()
+    trainer = (inference + 0.1 * torch.randn(n, generator=g)).clamp_max(0).requires_grad_()
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1], dtype=torch.bool)
+    return g, seq_lens, inference, trainer, mask
+
+
+def one_sequence(loss, trn, inf, ref, adv, mask, w=None) -> LossResult:
+    """One sequence through the engine with the summed loss (``constant`` 1): ``Σ_t w_t ℓ_t``."""
+    plan = Plan([trn.shape[0]], {"rl": Component(loss, mask, w, "constant", 1.0)}, inf, ref, adv)
+    return compute_loss(plan, Outputs(logprobs=trn))
