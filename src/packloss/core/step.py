@@ -220,6 +220,11 @@ class StepDenominators:
         """``D`` of component ``name`` (clamped to at least 1)."""
         return self.denominators[name]
 
+    def replaced(self, counts: Mapping[str, Tensor]) -> StepDenominators:
+        """These denominators with the counts of the named components replaced (a trainer adapter
+        gives its peer's own global counts this way)."""
+        return StepDenominators(self.modes, {**self.counts, **counts}, self.num_groups, self.selections)
+
     def check(self, plan: Plan) -> None:
         """Raise a ``ValueError`` unless these denominators were counted for ``plan``'s components."""
         for name, comp in plan.components.items():

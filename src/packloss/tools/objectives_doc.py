@@ -1,5 +1,5 @@
-"""``docs/objectives.md``, generated from the code: the trust-region registry, the parts, the presets and
-the TRL / verl mappings (``python -m packloss.tools.objectives_doc --write``). ``tests/tools/
+"""``docs/objectives.md``, generated from the code: the trust-region registry, the presets, and the
+prime-rl, TRL and verl mappings (``python -m packloss.tools.objectives_doc --write``). ``tests/tools/
 test_objectives_doc.py`` fails when the file and the code disagree, so no row outlives its code."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from pathlib import Path
 
 from packloss.core.recipe import PRESETS
 from packloss.core.trust_regions import TRUST_REGIONS
+from packloss.integrations import trl, verl
 
 __all__ = ["TESTED_BY", "render", "main"]
 
@@ -55,7 +56,7 @@ A policy-gradient objective is a `PolicyGradient` (`packloss.core.pg`) composed 
 used as the loss of a `Component` and computed once over the packed bin with no device→host sync and
 an op count independent of the number of sequences. Three log-prob streams: the trainer's `trn`
 (`Outputs.logprobs`), the old / proximal policy's `old` (`Plan(old_logprobs=)`, optional) and the
-rollout policy's `inf` (`Plan(inference_logprobs=)`). Per token, with members `m`:
+rollout policy's `inf` (`Plan(rollout_logprobs=)`). Per token, with members `m`:
 
 ```
 base   = old | sg(trn) (ratio="old": with / without the old stream) | inf (ratio="rollout")
@@ -104,7 +105,7 @@ _NORMALISATION = """## Normalisation (`Component(..., normalize=...)`, `packloss
 "global" means summed over every micro-batch of the step and every data-parallel rank:
 `count_denominators(plans, all_reduce=True)` counts them with one `all_reduce` of one flat tensor, before
 the forward. With those denominators the step's gradient does not depend on how sequences were packed into
-micro-batches, in which order, or over how many ranks (`tests/core/test_normalize.py`). How each peer's
+micro-batches, in which order, or over how many ranks (`tests/core/test_step.py`). How each peer's
 aggregation maps onto these modes, and where a peer's differs (per-micro-batch means, rows without
 members counted, padded widths), is in the TRL and verl sections below, each row tested against the
 peer's own code.
@@ -114,7 +115,7 @@ _METRICS = """## Metrics
 
 Every metric is a tensor with the member count it was taken over (`LossResult.counts`), so
 `packloss.merge_metrics` / `packloss.all_reduce_metrics` merge micro-batches and ranks exactly. Names are
-prefixed with the component's name (`rl/is_masked`); every component also reports `{name}/loss`. Every
+prefixed with the component's name (`pg/is_masked`); every component also reports `{name}/loss`. Every
 policy-gradient objective reports `is_masked` (members whose policy gradient is zeroed) and
 `masked_mismatch_kl` / `unmasked_mismatch_kl`; each trust region adds its own (its docstring lists them:
 e.g. `clip_frac_low` / `_high`, `dual_clip_frac`, `is_masked_high` / `_low`, `seq_ratio_mean` / `_min` /
@@ -150,7 +151,8 @@ def _regions() -> str:
         "## Trust regions (`packloss.TRUST_REGIONS`)",
         "",
         'Each is a `TrustRegion` registered by name (`PolicyGradient(trust_region="name")` takes its '
-        "defaults); a user adds one with `@register_trust_region` in a file of their own.",
+        "defaults); every built-in one is defined in `packloss.core.trust_regions`, so the registry is the same "
+        "whatever was imported; a user adds one with `@register_trust_region` in a file of their own.",
         "",
         "| name | class | surrogate `J_t` (from its docstring) | defaults | tested by |",
         "|---|---|---|---|---|",
@@ -167,14 +169,12 @@ def _presets() -> str:
     lines = ["## Presets (`packloss.preset(name, **options)`)", "", "| name | recipe |", "|---|---|"]
     for name, build in PRESETS.items():
         lines.append(f"| `{name}` | {_cell(_first_paragraph(build))} |")
-    lines += ["", "Tested in `tests/core/test_recipe.py` (each preset equals its parts spelled out)."]
+    lines += ["", "Tested in `tests/core/test_recipe.py` (each preset equals its components spelled out)."]
     return "\n".join(lines) + "\n"
 
 
 def render() -> str:
     """The whole of ``docs/objectives.md``."""
-    from packloss.integrations import trl, verl
-
     sections = [
         _HEAD,
         _regions(),

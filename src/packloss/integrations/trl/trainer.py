@@ -158,8 +158,8 @@ class PacklossGRPOTrainer(GRPOTrainer):
         for name, comp in plan.components.items():
             members = plan.members[name]
             if comp.normalize is Normalize.CONSTANT:
-                count = members.new_zeros(0, dtype=torch.float64)
-            elif comp.normalize is Normalize.SEQUENCE_MEAN:
+                continue
+            if comp.normalize is Normalize.SEQUENCE_MEAN:
                 rows = float(plan.num_seqs * accumulation * world)
                 count = torch.full((1,), rows, dtype=torch.float64, device=members.device)
             elif self.loss_type in _GENERATION_TOKEN_MEAN and not isinstance(comp.loss, Entropy):
@@ -168,8 +168,7 @@ class PacklossGRPOTrainer(GRPOTrainer):
             else:  # bnpo and the entropy bonus: this micro-batch's token mean, / G
                 count = members.sum(dtype=torch.float64).reshape(1) * (accumulation * world)
             counts[name] = count
-        modes = {name: comp.mode for name, comp in plan.components.items()}
-        return StepDenominators(modes=modes, counts=counts, num_groups=0)
+        return count_denominators([plan]).replaced(counts)
 
     def _denominators(self, plan: Plan, inputs: dict[str, Any], mode: str) -> StepDenominators:
         if self._trl_rules(mode):

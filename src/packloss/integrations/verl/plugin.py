@@ -144,17 +144,15 @@ def _step(mode: str, agg: str, config: ConfigReader, rows: int, width: int) -> _
 
 
 def _denominators(plan: Plan, step: _Step) -> StepDenominators:
-    """The plan's denominators with ``D`` = the step's global count (or the plan's own) × ``count_scale``;
-    counting the plan also makes ``clip_cov`` / ``kl_cov``'s selection (over this micro-batch, as verl)."""
+    """``D`` = the step's global count (or the plan's own) × ``count_scale``; counting the plan also makes
+    ``clip_cov`` / ``kl_cov``'s selection (over this micro-batch, as verl)."""
     own = count_denominators([plan])
     if step.normalize is Normalize.CONSTANT:
         return own
-    counts = own.counts[POLICY]  # [1] float64
-    if step.count is not None:
-        counts = torch.as_tensor(step.count, dtype=torch.float64, device=counts.device).reshape(1)
+    count = own.counts[POLICY] if step.count is None else torch.as_tensor(step.count, dtype=torch.float64)
     if not (isinstance(step.count_scale, float) and step.count_scale == 1.0):
-        counts = counts * torch.as_tensor(step.count_scale, dtype=torch.float64, device=counts.device)
-    return StepDenominators(own.modes, {POLICY: counts}, own.num_groups, own.selections)
+        count = count * torch.as_tensor(step.count_scale, dtype=torch.float64)
+    return own.replaced({POLICY: count.to(plan.device).reshape(1)})
 
 
 def _row_geometric_mean(weights: Tensor, mask: Tensor) -> Tensor:
