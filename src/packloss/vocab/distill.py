@@ -4,6 +4,9 @@ one saved ``[N, V]`` gradient. Formulas, memory, edge cases: ``docs/distill.md``
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
@@ -152,90 +155,41 @@ def divergence(
     return _PerToken.apply(student_logits, teacher_logits.detach(), mask, run)
 
 
-def reverse_kl(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    loss_mask: Tensor | None = None,
-    *,
-    temperature: float = 1.0,
-    teacher_temperature: float = 1.0,
-    teacher_format: TeacherFormat = "logits",
-    chunk_size: int | None = None,
-    impl: Impl | None = None,
-    parallel: VocabParallel | None = None,
-) -> Tensor:
+def _named(kind: str, doc: str) -> Callable[..., Tensor]:
+    """:func:`divergence` of one ``kind``, with its signature (``beta`` only for JSD)."""
+
+    def fn(student_logits: Tensor, teacher_logits: Tensor, loss_mask: Tensor | None = None, **options) -> Tensor:
+        if "beta" in options and kind != "jsd":
+            raise TypeError(f"{kind}() got an unexpected keyword argument 'beta'")
+        return divergence(kind, student_logits, teacher_logits, loss_mask, **options)
+
+    params = [p for name, p in _SIGNATURE.parameters.items() if name != "kind" and (name != "beta" or kind == "jsd")]
+    fn.__name__ = fn.__qualname__ = kind
+    fn.__doc__ = doc + " Arguments: :func:`divergence`."
+    fn.__signature__ = _SIGNATURE.replace(parameters=params)  # type: ignore[attr-defined]
+    return fn
+
+
+_SIGNATURE = inspect.signature(divergence)
+
+reverse_kl = _named(
+    "reverse_kl",
     """Per-token reverse KL ``KL(q‖p) = Σ_v q (log q − log p)``, ``[N]``; gradient
-    ``∂L/∂s = q (log q − log p − KL) / T``. Arguments: :func:`divergence`."""
-    return divergence(
-        "reverse_kl", student_logits, teacher_logits, loss_mask, temperature=temperature,
-        teacher_temperature=teacher_temperature, teacher_format=teacher_format, chunk_size=chunk_size,
-        impl=impl, parallel=parallel,
-    )  # fmt: skip
-
-
-def forward_kl(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    loss_mask: Tensor | None = None,
-    *,
-    temperature: float = 1.0,
-    teacher_temperature: float = 1.0,
-    teacher_format: TeacherFormat = "logits",
-    chunk_size: int | None = None,
-    impl: Impl | None = None,
-    parallel: VocabParallel | None = None,
-) -> Tensor:
+    ``∂L/∂s = q (log q − log p − KL) / T``.""",
+)
+forward_kl = _named(
+    "forward_kl",
     """Per-token forward KL ``KL(p‖q) = Σ_v p (log p − log q)``, ``[N]``; gradient
-    ``∂L/∂s = (q − p) / T``. Arguments: :func:`divergence`."""
-    return divergence(
-        "forward_kl", student_logits, teacher_logits, loss_mask, temperature=temperature,
-        teacher_temperature=teacher_temperature, teacher_format=teacher_format, chunk_size=chunk_size,
-        impl=impl, parallel=parallel,
-    )  # fmt: skip
-
-
-def jsd(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    loss_mask: Tensor | None = None,
-    *,
-    beta: float = 0.5,
-    temperature: float = 1.0,
-    teacher_temperature: float = 1.0,
-    teacher_format: TeacherFormat = "logits",
-    chunk_size: int | None = None,
-    impl: Impl | None = None,
-    parallel: VocabParallel | None = None,
-) -> Tensor:
-    """Per-token generalised JSD ``β KL(p‖m) + (1 − β) KL(q‖m)``, ``m = β p + (1 − β) q``, ``[N]``.
-
-    GKD / TRL convention: ``beta=0`` is forward KL, ``beta=1`` reverse KL (the limits of the
-    divergence divided by ``β`` resp. ``1 − β``; strictly inside (0, 1) it is not rescaled).
-    Gradient: ``∂L/∂s = (1 − β) q (log q − log m − KL(q‖m)) / T``. Arguments: :func:`divergence`.
-    """
-    return divergence(
-        "jsd", student_logits, teacher_logits, loss_mask, beta=beta, temperature=temperature,
-        teacher_temperature=teacher_temperature, teacher_format=teacher_format, chunk_size=chunk_size,
-        impl=impl, parallel=parallel,
-    )  # fmt: skip
-
-
-def soft_cross_entropy(
-    student_logits: Tensor,
-    teacher_logits: Tensor,
-    loss_mask: Tensor | None = None,
-    *,
-    temperature: float = 1.0,
-    teacher_temperature: float = 1.0,
-    teacher_format: TeacherFormat = "logits",
-    chunk_size: int | None = None,
-    impl: Impl | None = None,
-    parallel: VocabParallel | None = None,
-) -> Tensor:
-    """Per-token soft cross-entropy ``−Σ_v p log q`` (forward KL + H(p)), ``[N]``; gradient
-    ``∂L/∂s = (q − p) / T``. Arguments: :func:`divergence`."""
-    return divergence(
-        "soft_cross_entropy", student_logits, teacher_logits, loss_mask, temperature=temperature,
-        teacher_temperature=teacher_temperature, teacher_format=teacher_format, chunk_size=chunk_size,
-        impl=impl, parallel=parallel,
-    )  # fmt: skip
+    ``∂L/∂s = (q − p) / T``.""",
+)
+jsd = _named(
+    "jsd",
+    """Per-token generalised JSD ``β KL(p‖m) + (1 − β) KL(q‖m)``, ``m = β p + (1 − β) q``,
+    ``[N]`` (GKD / TRL convention: ``beta=0`` is forward KL, ``beta=1`` reverse KL, the limits of the divergence
+    divided by ``β`` resp. ``1 − β``); gradient ``∂L/∂s = (1 − β) q (log q − log m − KL(q‖m)) / T``.""",
+)
+soft_cross_entropy = _named(
+    "soft_cross_entropy",
+    """Per-token soft cross-entropy ``−Σ_v p log q`` (forward KL
+    + H(p)), ``[N]``; gradient ``∂L/∂s = (q − p) / T``.""",
+)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
+from packloss.core.dtypes import compute_dtype
 from packloss.vocab.core import (
     MATMUL,
     ChunkRun,
@@ -30,7 +31,6 @@ from packloss.vocab.core import (
     chunk_core,
     chunk_ranges,
     chunk_rows,
-    compute_dtype,
     gradient_buffer,
     graph_is_kept,
     mm_into,

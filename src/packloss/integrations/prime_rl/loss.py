@@ -93,6 +93,8 @@ class LossOutputs:
 
 
 LossFn = Callable[[LossInputs], LossOutputs]
+LISTS = ("inference_logprobs", "ref_logprobs", "advantages", "loss_mask", "rl_weights", "ce_weights", "ref_kl_weights")
+"""``compute_loss``'s list arguments besides ``trainer_logprobs``, in its order."""
 
 
 def summed(inputs: LossInputs, objective: PolicyGradient, metrics: tuple[str, ...] | None = None) -> LossOutputs:
@@ -191,16 +193,8 @@ def compute_loss(
     """
     if not callable(rl_loss_fn):
         raise TypeError(f"rl_loss_fn must be callable, got {type(rl_loss_fn).__name__}")
-    lists = dict(
-        inference_logprobs=inference_logprobs,
-        ref_logprobs=ref_logprobs,
-        advantages=advantages,
-        loss_mask=loss_mask,
-        rl_weights=rl_weights,
-        ce_weights=ce_weights,
-        ref_kl_weights=ref_kl_weights,
-    )
-    streams, seq_lens = packed_lists(trainer_logprobs, lists)
+    lists = (inference_logprobs, ref_logprobs, advantages, loss_mask, rl_weights, ce_weights, ref_kl_weights)
+    streams, seq_lens = packed_lists(trainer_logprobs, dict(zip(LISTS, lists, strict=True)))
     return packed_loss(streams, seq_lens, rl_loss_fn, rl_scale, ce_scale, ref_kl_scale)
 
 

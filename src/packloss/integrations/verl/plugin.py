@@ -10,6 +10,7 @@ makes ``import verl`` fail. The normalisation table, metrics and differences: ``
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -219,22 +220,11 @@ def packloss_policy_loss(
 
 
 def policy_loss(mode: str) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
-    """verl's policy-loss function for ``mode`` (no prefix), named ``packloss_<mode>``."""
-
-    def fn(
-        old_log_prob: Tensor,
-        log_prob: Tensor,
-        advantages: Tensor,
-        response_mask: Tensor,
-        loss_agg_mode: str = "token-mean",
-        config: Any = None,
-        rollout_is_weights: Tensor | None = None,
-    ) -> tuple[Tensor, dict[str, Tensor]]:
-        return packloss_policy_loss(
-            mode, old_log_prob, log_prob, advantages, response_mask, loss_agg_mode, config, rollout_is_weights
-        )
-
-    fn.__name__ = fn.__qualname__ = f"{PREFIX}{mode}"
+    """verl's policy-loss function for ``mode`` (no prefix): :func:`packloss_policy_loss` with ``mode``
+    bound, named ``packloss_<mode>``."""
+    fn = functools.partial(packloss_policy_loss, mode)
+    fn.__name__ = fn.__qualname__ = f"{PREFIX}{mode}"  # type: ignore[attr-defined]
+    fn.__module__ = __name__
     fn.__doc__ = f"packloss's {mode!r} as a verl policy loss (packloss.integrations.verl.plugin)."
     fn._packloss_mode = mode  # type: ignore[attr-defined]  # marks it as ours across module reloads
     return fn
