@@ -261,3 +261,33 @@ def one_sequence(loss, trn, inf, ref, adv, mask, w=None) -> LossResult:
     """One sequence through the engine with the summed loss (``constant`` 1): ``Σ_t w_t ℓ_t``."""
     plan = Plan([trn.shape[0]], {"rl": Component(loss, mask, w, "constant", 1.0)}, inf, ref, adv)
     return compute_loss(plan, Outputs(logprobs=trn))
+
+
+# ---------------------------------------------------------------------------------------------------
+# ``packloss bench loss --quick``, run once per test process (tests/tools/test_cli.py, tests/tools/bench/)
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def quick_run(tmp_path_factory) -> tuple[int, Path, str]:
+    """One in-process ``packloss bench loss --quick`` (the compiled column on the hot path included):
+    ``(exit code, out dir, results.json text)``."""
+    from packloss.tools.cli import main
+
+    out = tmp_path_factory.mktemp("bench")
+    threads = torch.get_num_threads()
+    try:
+        code = main(["bench", "loss", "--quick", "--out", str(out), "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    return code, out, (out / "results.json").read_text()
+
+
+def demo_rollouts() -> list:
+    """Three rollouts of the demo's task (prompts of 3, 8 and 4 digits; completions of 4, 3 and 6 tokens)."""
+    from packloss.tools import demo
+
+    out = []
+    for digits, completion in (("123", [7, 6, 5, 3]), ("98765432", [5, 6, 3]), ("4444", [8, 8, 8, 8, 8, 8])):
+        out.append(demo.Rollout(digits, demo.encode_prompt(digits), completion, [0.0] * len(completion), 0.0, False))
+    return out

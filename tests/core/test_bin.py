@@ -1,4 +1,4 @@
-"""Plan, Component and Outputs: cheap sync-free checks that name the argument, and deep checks."""
+"""packloss.core.bin: Plan, Component and Outputs: cheap sync-free checks that name the argument, and deep checks."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The policy-gradient objective against its formula written out token by token in plain Python."""
+"""packloss.core.pg: the policy-gradient objective against its formula written out token by token in
+plain Python; its arguments' validation; the historical loss types."""
 
 from __future__ import annotations
 
@@ -7,26 +8,9 @@ import math
 import pytest
 import torch
 
-from packloss import (
-    DPPO,
-    IPO,
-    REF_KL,
-    SFT,
-    Component,
-    KLPenalty,
-    LossResult,
-    Outputs,
-    Plan,
-    PolicyGradient,
-    compute_loss,
-)
+from conftest import one_sequence
+from packloss import DPPO, IPO, REF_KL, KLPenalty, PolicyGradient
 from packloss.core.trust_regions import DPPOMask, OneSided
-
-
-def run(loss, trn, inf, ref, adv, mask, w=None) -> LossResult:
-    """One sequence through the engine with the summed loss (``constant`` 1): ``Σ_t w_t ℓ_t``."""
-    plan = Plan([trn.shape[0]], {"rl": Component(loss, mask, w, "constant", 1.0)}, inf, ref, adv)
-    return compute_loss(plan, Outputs(logprobs=trn))
 
 
 def token_loss(trn, inf, ref, adv, member, w, p: PolicyGradient) -> float:
@@ -77,7 +61,7 @@ def test_pg_loss_matches_scalar_formula(name, weighted):
     mask = torch.rand(n, generator=g) < 0.8
     w = torch.rand(n, generator=g, dtype=torch.float64) * 2 if weighted else None
     trn = trn.requires_grad_()
-    out = run(params, trn, inf, ref, adv, mask, w)
+    out = one_sequence(params, trn, inf, ref, adv, mask, w)
     expected = sum(
         token_loss(
             trn[i].item(),
@@ -100,7 +84,7 @@ def test_ref_kl_advantage_is_detached():
     inf = torch.tensor([-1.1, -0.5])
     ref = torch.tensor([-0.8, -0.2])
     mask = torch.tensor([True, True])
-    out = run(REF_KL, trn, inf, ref, None, mask)
+    out = one_sequence(REF_KL, trn, inf, ref, None, mask)
     out.loss.backward()
     log_r = (trn - inf).detach()
     expected = -(ref - trn.detach()) * log_r.exp() + 2 * 1e-3 * log_r
@@ -112,7 +96,7 @@ def test_metrics_definitions():
     inf = torch.tensor([-2.0, -0.1, -0.2, -2.0])
     adv = torch.tensor([1.0, -1.0, 1.0, 1.0])
     mask = torch.tensor([True, True, True, False])
-    out = run(DPPO, trn, inf, None, adv, mask)
+    out = one_sequence(DPPO, trn, inf, None, adv, mask)
     # token 0: A>0, dp = e^-0.1 - e^-2 > 0.2 → masked high; token 1: A<0, dp < -0.2 → masked low
     assert out.metrics["rl/is_masked"].item() == pytest.approx(2 / 3)
     assert out.metrics["rl/is_masked_high"].item() == pytest.approx(1 / 3)
@@ -121,14 +105,6 @@ def test_metrics_definitions():
     assert out.counts["rl/is_masked"].item() == 3
     assert out.counts["rl/masked_mismatch_kl"].item() == 2
     assert out.metrics["rl/unmasked_mismatch_kl"].item() == pytest.approx(0.0)
-
-
-def test_sft_loss():
-    trn = torch.tensor([-1.0, -2.0, -3.0], requires_grad=True)
-    w = torch.tensor([0.5, 0.0, 2.0])
-    out = run(SFT(), trn, None, None, None, torch.ones(3, dtype=torch.bool), w)
-    assert out.loss.item() == pytest.approx(0.5 + 6.0)
-    assert out.metrics["rl/loss"].item() == pytest.approx(2.0)  # the mean NLL over the members
 
 
 @pytest.mark.parametrize(
@@ -140,12 +116,6 @@ def test_sft_loss():
         (lambda: PolicyGradient(adv_coef=float("nan")), ValueError, "adv_coef must be finite"),
         (lambda: PolicyGradient(penalties=(0.1,)), TypeError, "penalties must hold KLPenalty"),
         (lambda: PolicyGradient(correction="tis"), TypeError, "correction must be a RolloutCorrection"),
-        (lambda: DPPOMask(low=-0.1), ValueError, "DPPOMask.low must be >= 0"),
-        (lambda: DPPOMask(high=float("nan")), ValueError, "DPPOMask.high must be finite"),
-        (lambda: OneSided(threshold="0.1"), TypeError, "OneSided.threshold must be a number"),
-        (lambda: KLPenalty(-1e-3), ValueError, "KLPenalty.coef must be >= 0"),
-        (lambda: KLPenalty(0.1, estimator="k4"), ValueError, "KLPenalty.estimator must be one of"),
-        (lambda: KLPenalty(0.1, against="teacher"), ValueError, "KLPenalty.against must be one of"),
     ],
 )
 def test_params_validation(build, error, match):
@@ -164,4 +134,4 @@ def test_instances_are_the_historical_loss_types():
         1.0,
     )
     with pytest.raises(ValueError, match="needs the plan's ref_logprobs"):
-        run(REF_KL, torch.zeros(2), torch.zeros(2), None, None, torch.ones(2, dtype=torch.bool))
+        one_sequence(REF_KL, torch.zeros(2), torch.zeros(2), None, None, torch.ones(2, dtype=torch.bool))

@@ -21,7 +21,8 @@ from packloss.vocab.core import (
     chunk_rows,
     masked_chunk,
 )
-from packloss.vocab.distill import divergence
+from packloss.vocab.distill import divergence, forward_kl, jsd, reverse_kl, soft_cross_entropy
+from packloss.vocab.head import linear_logprobs
 from packloss.vocab.head_distill import linear_distill
 
 CPU = torch.device("cpu")
@@ -208,3 +209,41 @@ def test_vocab_parallel_options() -> None:
     assert VocabParallel(object(), vocab_start=7).start(5, torch.device("cpu")) == 7
     with pytest.raises(AttributeError):
         VocabParallel(object()).vocab_start = 3  # frozen
+
+
+# ---------------------------------------------------------------------------------------------------
+# chunk_size must be a positive int everywhere (the one chunk policy)
+# ---------------------------------------------------------------------------------------------------
+
+
+_S, _T = torch.randn(3, 5), torch.randn(3, 5)
+_H, _W, _Y = torch.randn(3, 4), torch.randn(5, 4), torch.tensor([0, 4, -100])
+
+
+@pytest.mark.parametrize("bad", [0, -2])
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c: divergence("jsd", _S, _T, chunk_size=c),
+        lambda c: reverse_kl(_S, _T, chunk_size=c),
+        lambda c: forward_kl(_S, _T, chunk_size=c),
+        lambda c: jsd(_S, _T, chunk_size=c),
+        lambda c: soft_cross_entropy(_S, _T, chunk_size=c),
+        lambda c: linear_logprobs(_H, _W, _Y, chunk_size=c),
+        lambda c: linear_distill(_H, _W, _T, chunk_size=c),
+        lambda c: VocabDistill(chunk_size=c),
+    ],
+    ids=[
+        "divergence",
+        "reverse_kl",
+        "forward_kl",
+        "jsd",
+        "soft_cross_entropy",
+        "linear_logprobs",
+        "linear_distill",
+        "VocabDistill",
+    ],  # fmt: skip
+)
+def test_non_positive_chunk_size_raises(call, bad: int) -> None:
+    with pytest.raises(ValueError, match="chunk_size"):
+        call(bad)

@@ -47,8 +47,11 @@ class OneProcess:
 
 def trl_config(**fields: Any) -> SimpleNamespace:
     """A duck-typed ``GRPOConfig``: :data:`~packloss.integrations.trl.TRL_DEFAULTS` with ``fields``
-    over them (a real ``GRPOConfig`` validates and resolves options a bare trainer does not need)."""
-    return SimpleNamespace(**TRL_DEFAULTS | fields)
+    over them (a real ``GRPOConfig`` validates and resolves options a bare trainer does not need);
+    ``steps_per_generation`` resolves to ``gradient_accumulation_steps``, as ``GRPOConfig`` does."""
+    config = TRL_DEFAULTS | fields
+    config.setdefault("steps_per_generation", config["gradient_accumulation_steps"])
+    return SimpleNamespace(**config)
 
 
 def bare_grpo_trainer(grpo_trainer: type, cfg: SimpleNamespace) -> Any:

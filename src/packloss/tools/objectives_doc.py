@@ -14,39 +14,63 @@ from packloss.core.recipe import PRESETS
 from packloss.core.trust_regions import TRUST_REGIONS
 from packloss.integrations import trl, verl
 
-__all__ = ["TESTED_BY", "render", "main"]
+__all__ = ["TESTED_BY", "tested_by", "render", "main"]
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "objectives.md"
 
-_PAPER = "`tests/core/test_trust_regions.py` (per-sequence paper reference, 200 packings)"
-_SELECTION = "`tests/core/test_selection.py` (step-wide reference, packing and rank invariance)"
-_TRL = "`tests/integrations/test_trl.py` (TRL 1.16's own loss code)"
-_VERL = "`tests/integrations/test_verl.py` (verl 0.9.1's own loss functions)"
-_PRIME = "`tests/compat/test_prime_rl.py` (`torch.equal` vs prime-rl's per-sequence loss)"
+_WHAT = {
+    "tests/core/trust_regions/test_selection.py": "step-wide reference, packing and rank invariance",
+    "tests/integrations/trl/test_config.py": "TRL 1.16's own loss code",
+    "tests/integrations/verl/test_config.py": "verl 0.9.1's own loss functions",
+    "tests/integrations/verl/test_plugin.py": "verl's `ppo_loss` with the plugin",
+    "tests/integrations/openrlhf/test_loss.py": "OpenRLHF 0.11.2's own `PolicyLoss`",
+    "tests/integrations/prime_rl/test_legacy.py": "`torch.equal` vs prime-rl's per-sequence loss",
+    "tests/integrations/prime_rl/test_current.py": "prime-rl's current losses",
+    "tests/core/test_pg.py": "`REF_KL` against prime-rl's ref_kl loss",
+}
+_TRL, _VERL, _PLUGIN, _OPENRLHF, _LEGACY, _CURRENT, _PG = list(_WHAT)[1:]
 
 TESTED_BY: dict[str, tuple[str, ...]] = {
-    "dppo": (_PRIME, _PAPER),
-    "ipo": (_PRIME, _PAPER),
-    "one_sided": (_PRIME, _PAPER),
-    "none": (_PAPER, _VERL),
-    "icepop": (_PAPER,),
-    "ppo_clip": (_PAPER, _TRL, _VERL),
-    "cispo": (_PAPER, _VERL),
-    "gspo": (_PAPER, _TRL, _VERL),
-    "sapo": (_PAPER, _TRL, _VERL),
-    "geo_mean": (_PAPER, _VERL),
-    "gpg": (_PAPER, _VERL),
-    "dppo_tv": (_PAPER, _VERL),
-    "dppo_kl": (_PAPER, _VERL),
-    "topr": (_PAPER,),
-    "clip_cov": (_SELECTION, _VERL),
-    "kl_cov": (_SELECTION, _VERL),
-    "m2po": (_SELECTION,),
-    "sequence_level": ("`tests/integrations/test_trl.py` (paper reference and TRL's code)",),
-    "cispo_cap": ("`tests/integrations/test_trl.py` (paper reference and TRL's code)",),
-    "vespo": ("`tests/integrations/test_trl.py` (paper reference and TRL's code)",),
+    "dppo": (_LEGACY,),
+    "ipo": (_LEGACY, _CURRENT),
+    "one_sided": (_PG,),
+    "none": (_PLUGIN,),
+    "icepop": (_CURRENT,),
+    "icepop_log": (_CURRENT,),
+    "dppo_tv": (_VERL, _PLUGIN),
+    "dppo_kl": (_VERL, _PLUGIN),
+    "ppo_clip": (_TRL, _VERL, _PLUGIN, _OPENRLHF),
+    "ppo_clip_clamped": (_OPENRLHF,),
+    "cispo": (_VERL, _PLUGIN),
+    "cispo_cap": (_TRL,),
+    "sapo": (_TRL, _VERL, _PLUGIN),
+    "gspo": (_TRL, _VERL, _PLUGIN),
+    "sequence_level": (_TRL,),
+    "sequence_ratio_clip": (_OPENRLHF,),
+    "geo_mean": (_VERL, _PLUGIN),
+    "gpg": (_VERL, _PLUGIN),
+    "topr": (),
+    "vespo": (_TRL,),
+    "clip_cov": (_VERL, _PLUGIN),
+    "kl_cov": (_VERL, _PLUGIN),
+    "m2po": (),
 }
-"""Which tests back each registered trust region (a region missing here fails the docs test)."""
+"""The peers' tests behind each registered trust region, beside its family's own test file (a region
+missing here fails the docs test)."""
+
+
+def family_test(cls: type) -> str:
+    """The test file of a region's family: ``tests/core/trust_regions/test_<module>.py``."""
+    return f"tests/core/trust_regions/test_{cls.__module__.rsplit('.', 1)[1]}.py"
+
+
+def tested_by(name: str) -> tuple[str, ...]:
+    """Every test file behind region ``name``: its family's, then its peers'."""
+    return (family_test(TRUST_REGIONS[name]), *TESTED_BY.get(name, ()))
+
+
+def _describe(path: str) -> str:
+    return f"`{path}` ({_WHAT.get(path, 'per-sequence paper reference, 200 packings')})"
 
 _HEAD = """# Objectives
 
@@ -75,6 +99,7 @@ a term its source does not have: only prime-rl's `DPPO`, `IPO` and `REF_KL` have
 """
 
 _DRIFT = 'KLPenalty(1e-3, "squared_log_ratio", "rollout")'
+_PRIME = _describe(_LEGACY)
 _PRIME_RL = "\n".join(
     [
         "## prime-rl",
@@ -159,7 +184,7 @@ def _regions() -> str:
     ]
     for name in sorted(TRUST_REGIONS):
         cls = TRUST_REGIONS[name]
-        tested = "; ".join(TESTED_BY.get(name, ("**untested**",)))
+        tested = "; ".join(map(_describe, tested_by(name))) if name in TESTED_BY else "**untested**"
         cells = (f"`{name}`", f"`{cls.__module__}.{cls.__name__}`", _first_paragraph(cls), _defaults(cls), tested)
         lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
     return "\n".join(lines) + "\n"
@@ -183,12 +208,12 @@ def render() -> str:
         _NORMALISATION,
         _METRICS,
         "## TRL 1.16\n\n`packloss.integrations.trl.from_trl(grpo_config)`; tested by "
-        + _TRL
+        + _describe(_TRL)
         + ".\n\n"
         + trl.mapping_table()
         + "\n",
         "## verl 0.9.1\n\n`packloss.integrations.verl.from_verl(actor_config)`; tested by "
-        + _VERL
+        + _describe(_VERL)
         + ".\n\n"
         + verl.mapping_markdown(),
     ]

@@ -1,4 +1,4 @@
-"""Timing and peak-memory measurement shared by the benchmark suites.
+"""Timing, peak memory and the values check shared by the benchmark suites.
 
 Peak memory is measured in a fresh process per variant (:func:`run_fresh`) so one variant's
 allocations never hide another's: on CPU the peak resident set (``VmHWM``, reset through
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -16,10 +17,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch import Tensor
 
-__all__ = ["time_ms", "reset_peak", "peak_bytes", "run_fresh", "release_freed_memory"]
+__all__ = ["time_ms", "reset_peak", "peak_bytes", "run_fresh", "release_freed_memory", "ValuesDisagree", "check",
+           "import_peer"]  # fmt: skip
 
 
 def _sync(device: str) -> None:
@@ -112,3 +116,28 @@ def run_fresh(target: str, kwargs: dict, timeout: float = 900) -> dict:
         if line.startswith("@@RESULT@@"):
             return json.loads(line[len("@@RESULT@@") :])
     raise RuntimeError(f"{target} printed no result:\n{proc.stdout[-2000:]}")
+
+
+class ValuesDisagree(RuntimeError):
+    """A variant's value or gradient differs from the reference's: its timing would compare different work."""
+
+
+def check(what: str, actual: Tensor, expected: Tensor, rtol: float) -> float:
+    """``max|actual − expected| ≤ rtol · max|expected|`` or :class:`ValuesDisagree`; the relative error."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    if actual.shape != expected.shape:
+        raise ValuesDisagree(f"{what}: shape {tuple(actual.shape)} vs {tuple(expected.shape)}")
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    err = float((actual - expected).abs().max()) if expected.numel() else 0.0
+    if not scale > 0 or not err <= rtol * scale:  # a zero reference proves nothing; NaN fails too
+        raise ValuesDisagree(f"{what}: max error {err:.3e} vs scale {scale:.3e} (rtol {rtol:g})")
+    return err / scale
+
+
+def import_peer(module: str, attr: str | None = None) -> tuple[Any, str | None]:
+    """``(module or its attr, None)``, or ``(None, why not)``: a peer that cannot be imported is skipped."""
+    try:
+        mod = importlib.import_module(module)
+        return (getattr(mod, attr) if attr else mod), None
+    except Exception as exc:  # ImportError, or a peer's own import-time failure (e.g. a missing Triton)
+        return None, f"{module} not importable ({type(exc).__name__}: {exc}): skipped"

@@ -111,6 +111,8 @@ def make_plan(kind: str, b: Bin, teacher_stream: Tensor | None = None, teacher: 
     ``teacher_stream``: the teacher's ``[N]`` log-probs (``ref_kl``, shifted by the baseline) or
     ``[N, H_t]`` hidden states (``full``, with ``teacher``'s LM-head weight).
     """
+    if kind not in COMPONENT:
+        raise ValueError(f"unknown phase kind {kind!r}; choose from {KINDS}")
     name = COMPONENT[kind]
     if kind == "ce":
         return Plan(b.seq_lens, {name: Component(SFT(), mask=b.answer)})
@@ -130,11 +132,9 @@ def make_plan(kind: str, b: Bin, teacher_stream: Tensor | None = None, teacher: 
             teacher_hidden=teacher_stream,
             teacher_weight=teacher.lm_head.weight,
         )
-    if kind == "rl":
-        return Plan(
-            b.seq_lens,
-            {name: Component(DPPO, mask=b.answer)},
-            rollout_logprobs=b.rollout_logprobs,
-            advantages=b.advantages,
-        )
-    raise ValueError(f"unknown phase kind {kind!r}; choose from {KINDS}")
+    return Plan(  # kind == "rl"
+        b.seq_lens,
+        {name: Component(DPPO, mask=b.answer)},
+        rollout_logprobs=b.rollout_logprobs,
+        advantages=b.advantages,
+    )

@@ -1,0 +1,281 @@
+"""The vocabulary rows of ``packloss bench peers``: fused LM heads (cut-cross-entropy, TRL) and
+distillation from hidden states (Liger) beside packloss's, each in a fresh process, values checked
+against naive autograd before timing, and the head's matmuls alone as its floor.
+``docs/benchmarks.md``, "How the suites measure"."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from packloss.tools.bench._measure import (
+    check,
+    import_peer,
+    peak_bytes,
+    release_freed_memory,
+    reset_peak,
+    run_fresh,
+    time_ms,
+)
+from packloss.vocab.core import HEAD_BLOCK, chunk_ranges, chunk_rows, mm_into
+from packloss.vocab.head import DEFAULT_VOCAB_CHUNK_SIZE
+
+__all__ = ["HEAD_RTOL", "JSD_BETA", "HEAD_FLOORS", "head_fn", "distill_fn", "check_fused", "measure_fused", "run_fused",
+           "head_matmuls", "measure_floor", "run_head_floors"]  # fmt: skip
+
+HEAD_RTOL = 1e-5
+JSD_BETA = 0.5
+
+
+HEAD_VARIANTS = {
+    "naive_eager": None,
+    "packloss_fused": None,
+    "cce_torch_compile": "cut_cross_entropy",
+    "trl_chunked": "trl.kernels",
+}
+DISTILL_VARIANTS = {
+    "naive_eager": None,
+    "packloss_fused": None,
+    "packloss_fused_compiled": None,
+    "liger_compiled": "liger_kernel.chunked_loss",
+}
+_COMPILED_VARIANTS = {"packloss_fused_compiled"}  # left out when the suite runs without compiled columns
+
+
+def _head_inputs(n: int, h: int, v: int, device: str, seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=g) * 0.5).to(device).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.05).to(device).requires_grad_()
+    return hidden, weight, torch.randint(0, v, (n,), generator=g).to(device)
+
+
+def head_fn(variant: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+    """``(hidden, weight, labels) -> log p(label) [N]`` of one head variant."""
+    if variant == "naive_eager":
+        return lambda hd, w, y: torch.log_softmax((hd @ w.T).float(), -1).gather(1, y[:, None]).squeeze(1)
+    if variant == "packloss_fused":
+        from packloss.vocab import linear_logprobs
+
+        return lambda hd, w, y: linear_logprobs(hd, w, y, return_entropy=False)[0]
+    if variant == "cce_torch_compile":
+        from cut_cross_entropy import linear_cross_entropy
+
+        return lambda hd, w, y: -linear_cross_entropy(hd, w, y, impl="torch_compile", reduction="none")
+    if variant == "trl_chunked":  # TRL's fused LM head (its torch tiles off Triton), at TRL's own tile width
+        from trl.kernels import ChunkedLogProbFunction
+        from trl.trainer.utils import _CHUNKED_LOGPROB_CHUNK_SIZE
+
+        def trl_chunked(hd: Tensor, w: Tensor, y: Tensor) -> Tensor:
+            return ChunkedLogProbFunction.apply(hd, w, None, y, 1.0, _CHUNKED_LOGPROB_CHUNK_SIZE, None, 1.0, ())[0]
+
+        return trl_chunked
+    raise ValueError(f"head_fn: unknown variant {variant!r}")
+
+
+def _distill_inputs(n: int, h: int, v: int, device: str, seed: int) -> tuple[Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=g) * 0.5).to(device).requires_grad_()
+    weight = (torch.randn(v, h, generator=g) * 0.05).to(device).requires_grad_()
+    t_hidden = (torch.randn(n, h, generator=g) * 0.5).to(device)
+    t_weight = (torch.randn(v, h, generator=g) * 0.05).to(device)
+    labels = torch.randint(0, v, (n,), generator=g)
+    labels = torch.where(torch.rand(n, generator=g) < 0.1, -100, labels).to(device)  # ~10% not members
+    return hidden, weight, t_hidden, t_weight, labels
+
+
+def _naive_jsd(hd: Tensor, w: Tensor, th: Tensor, tw: Tensor, y: Tensor) -> Tensor:
+    """``Σ_members JSD_β / #members`` with ``M = β P + (1 − β) Q`` (P teacher, Q student), materialised."""
+    log_q = torch.log_softmax((hd @ w.T).float(), -1)  # [N, V]
+    log_p = torch.log_softmax((th @ tw.T).float(), -1)  # [N, V]
+    log_m = torch.logaddexp(log_p + math.log(JSD_BETA), log_q + math.log(1 - JSD_BETA))
+    per_token = JSD_BETA * (log_p.exp() * (log_p - log_m)).sum(-1) + (1 - JSD_BETA) * (
+        log_q.exp() * (log_q - log_m)
+    ).sum(-1)  # [N]
+    members = y != -100
+    return torch.where(members, per_token, 0.0).sum() / members.sum().clamp(min=1)
+
+
+def distill_fn(variant: str) -> Callable[..., Tensor]:
+    """``(hidden, weight, teacher_hidden, teacher_weight, labels) -> loss`` (0-d) of one distill variant."""
+    if variant == "naive_eager":
+        return _naive_jsd
+    if variant in ("packloss_fused", "packloss_fused_compiled"):
+        from packloss.vocab import linear_distill
+
+        impl = "compiled" if variant == "packloss_fused_compiled" else None  # None: the CPU default, eager
+
+        def fused(hd: Tensor, w: Tensor, th: Tensor, tw: Tensor, y: Tensor) -> Tensor:
+            members = y != -100
+            coef = members.float() / members.sum().clamp(min=1)
+            return linear_distill(
+                hd, w, teacher_hidden=th, teacher_weight=tw, kind="jsd", beta=JSD_BETA, loss_mask=members,
+                coefficients=coef, impl=impl,
+            )[0]  # fmt: skip
+
+        return fused
+    if variant == "liger_compiled":
+        from liger_kernel.chunked_loss import LigerFusedLinearJSDLoss
+
+        liger = LigerFusedLinearJSDLoss(weight_hard_loss=0.0, weight_soft_loss=1.0, beta=JSD_BETA, compiled=True)
+        return lambda hd, w, th, tw, y: liger(hd, w, th, tw, y)
+    raise ValueError(f"distill_fn: unknown variant {variant!r}")
+
+
+def _values(kind: str, variant: str, n: int, h: int, v: int, device: str, seed: int) -> dict[str, Tensor]:
+    """One variant's output and gradients w.r.t. the student's hidden and weight."""
+    if kind == "head":
+        hd, w, y = _head_inputs(n, h, v, device, seed)
+        out = head_fn(variant)(hd, w, y)
+    else:
+        hd, w, th, tw, y = _distill_inputs(n, h, v, device, seed)
+        out = distill_fn(variant)(hd, w, th, tw, y)
+    g_h, g_w = torch.autograd.grad(out.sum(), [hd, w])
+    return {"value": out.detach(), "d hidden": g_h, "d weight": g_w}
+
+
+def check_fused(kind: str, variants: list[str], n: int, h: int, v: int, device: str, seed: int = 0) -> dict[str, float]:
+    """Every variant's values against ``naive_eager``'s (:class:`ValuesDisagree`); the max relative errors."""
+    expected = _values(kind, "naive_eager", n, h, v, device, seed)
+    errors = {}
+    for variant in variants:
+        if variant == "naive_eager":
+            continue
+        actual = _values(kind, variant, n, h, v, device, seed)
+        errors[variant] = max(check(f"{kind} {variant} {k}", actual[k], expected[k], HEAD_RTOL) for k in expected)
+    return errors
+
+
+def _peak_and_time(step: Callable[[], None], device: str, repeat: int, warm: bool) -> dict:
+    """Peak memory of one ``step()`` (after a warm-up call when ``warm``: compilation stays outside the
+    measured peak) and the median time of ``repeat`` more."""
+    if warm:
+        step()
+        release_freed_memory(device)
+    base = reset_peak(device)
+    step()
+    peak = peak_bytes(device) - base
+    return {"time_ms": time_ms(step, device, warmup=0, repeat=repeat), "peak_bytes": peak}
+
+
+def measure_fused(kind: str, variant: str, n: int, h: int, v: int, device: str, repeat: int, threads: int) -> dict:
+    """In a fresh process: peak memory of one forward+backward (after a warm-up that compiles) and the
+    median time of ``repeat`` more; ``value``: the summed output."""
+    torch.set_num_threads(threads)
+    inputs = _head_inputs(n, h, v, device, 0) if kind == "head" else _distill_inputs(n, h, v, device, 0)
+    fn = head_fn(variant) if kind == "head" else distill_fn(variant)
+    hidden, weight = inputs[0], inputs[1]
+    value: list[float] = []
+
+    def step() -> None:
+        out = fn(*inputs).sum()
+        torch.autograd.grad(out, [hidden, weight])
+        value[:] = [float(out.detach())]
+
+    return _peak_and_time(step, device, repeat, warm=variant != "naive_eager") | {"value": value[0]}
+
+
+def run_fused(kind: str, shape: tuple[int, int, int], check_shape: tuple[int, int, int], repeat: int, device: str,
+              progress, notes: list[str], compiled: bool = True) -> list[dict]:  # fmt: skip
+    """``head`` or ``distill``: the variants whose modules import (packloss's compiled ones only with
+    ``compiled``), checked, then each in a fresh process; every packloss row gets its ratios to each peer."""
+    table = HEAD_VARIANTS if kind == "head" else DISTILL_VARIANTS
+    variants = []
+    for variant, module in table.items():
+        if variant in _COMPILED_VARIANTS and not compiled:
+            continue
+        why = None if module is None else import_peer(module)[1]
+        if why is None:
+            variants.append(variant)
+        else:
+            notes.append(f"{kind}/{variant}: {why}")
+    progress(f"peers {kind} check")
+    errors = check_fused(kind, variants, *check_shape, device)
+    n, h, v = shape
+    rows = []
+    for variant in variants:
+        progress(f"peers {kind} {variant}")
+        kwargs = dict(kind=kind, variant=variant, n=n, h=h, v=v, device=device, repeat=repeat,
+                      threads=torch.get_num_threads())  # fmt: skip
+        out = run_fresh("packloss.tools.bench.peers_vocab:measure_fused", kwargs)
+        rows.append({"comparison": kind, "shape": f"N={n},H={h},V={v}", "variant": variant, **out})
+    naive = rows[0]  # naive_eager: always available
+    for row in rows[1:]:
+        row["time_vs_naive"] = row["time_ms"] / naive["time_ms"]
+        row["peak_vs_naive"] = row["peak_bytes"] / max(naive["peak_bytes"], 1)
+        row["max_rel_err"] = errors[row["variant"]]
+    for ours in (r for r in rows if r["variant"].startswith("packloss_")):
+        for peer in (r for r in rows if table[r["variant"]] is not None):
+            ours[f"time_vs_{peer['variant']}"] = ours["time_ms"] / peer["time_ms"]
+            ours[f"peak_vs_{peer['variant']}"] = ours["peak_bytes"] / max(peer["peak_bytes"], 1)
+    return rows
+
+
+HEAD_FLOORS = ("matmuls_packloss_4", "matmuls_materialised_3")
+
+
+def _blocked_matmuls(hidden: Tensor, weight: Tensor) -> None:
+    """linear_logprobs's four matmuls on its default blocks, nothing else: forward ``x = h Wᵀ`` per
+    block; backward ``x`` again, ``d_hidden += x W_block``, ``d_weight[block] += xᵀ h`` (``x`` stands in
+    for the block's gradient, which has its shape)."""
+    n, v = hidden.shape[0], weight.shape[0]
+    cols = min(DEFAULT_VOCAB_CHUNK_SIZE["cpu" if hidden.device.type == "cpu" else "accelerator"], v)
+    rows = chunk_rows(cols, hidden.device, budget=HEAD_BLOCK)
+    buf = torch.empty(min(rows, n) * cols, dtype=hidden.dtype, device=hidden.device)
+    d_h, d_w = torch.empty_like(hidden), torch.empty_like(weight)
+    for backward in (False, True):
+        for t0, t1 in chunk_ranges(n, rows):
+            for v0, v1 in chunk_ranges(v, cols):
+                x = torch.mm(hidden[t0:t1], weight[v0:v1].T, out=buf[: (t1 - t0) * (v1 - v0)].view(t1 - t0, v1 - v0))
+                if backward:
+                    mm_into(d_h[t0:t1], x, weight[v0:v1], first=v0 == 0)
+                    mm_into(d_w[v0:v1], x.T, hidden[t0:t1], first=t0 == 0)
+
+
+def _materialised_matmuls(hidden: Tensor, weight: Tensor) -> None:
+    """The three full-size matmuls of a head that keeps its ``[N, V]`` logits: ``x = h Wᵀ``, ``x W``,
+    ``xᵀ h`` (``x`` standing in for the logits' gradient)."""
+    x = torch.mm(hidden, weight.T)  # [N, V]
+    torch.mm(x, weight)  # d_hidden [N, H]
+    torch.mm(x.T, hidden)  # d_weight [V, H]
+
+
+def head_matmuls(variant: str) -> Callable[[Tensor, Tensor], None]:
+    """``(hidden, weight) -> None``, no gradient tracked: ``matmuls_packloss_4`` (:func:`_blocked_matmuls`)
+    or ``matmuls_materialised_3`` (:func:`_materialised_matmuls`: cut-cross-entropy's ``torch_compile``
+    path and the naive head do these three)."""
+    fns = {"matmuls_packloss_4": _blocked_matmuls, "matmuls_materialised_3": _materialised_matmuls}
+    if variant not in fns:
+        raise ValueError(f"head_matmuls: unknown variant {variant!r}; choose from {HEAD_FLOORS}")
+    return fns[variant]
+
+
+def measure_floor(variant: str, n: int, h: int, v: int, device: str, repeat: int, threads: int) -> dict:
+    """In a fresh process: :func:`head_matmuls` ``variant``'s peak memory and median time."""
+    torch.set_num_threads(threads)
+    hidden, weight, _ = _head_inputs(n, h, v, device, 0)
+    fn = head_matmuls(variant)
+
+    def step() -> None:
+        with torch.no_grad():
+            fn(hidden, weight)
+
+    return _peak_and_time(step, device, repeat, warm=True)
+
+
+def run_head_floors(
+    shape: tuple[int, int, int], repeat: int, device: str, progress, head_rows: list[dict]
+) -> list[dict]:
+    """The ``head floor`` rows at the head's timed shape, each divided by every ``head`` row's time."""
+    n, h, v = shape
+    rows = []
+    for variant in HEAD_FLOORS:
+        progress(f"peers head floor {variant}")
+        kwargs = dict(variant=variant, n=n, h=h, v=v, device=device, repeat=repeat, threads=torch.get_num_threads())
+        out = run_fresh("packloss.tools.bench.peers_vocab:measure_floor", kwargs)
+        row = {"comparison": "head floor", "shape": f"N={n},H={h},V={v}", "variant": variant, **out}
+        row |= {f"time_vs_{r['variant']}": out["time_ms"] / r["time_ms"] for r in head_rows}
+        rows.append(row)
+    return rows
