@@ -19,41 +19,11 @@ from packloss.core.pg import PolicyGradient
 from packloss.core.trust_regions import IcePopLogBand, IPOMask
 from packloss.integrations.common.config import ConfigReader
 from packloss.integrations.prime_rl import loss as _loss
-from packloss.integrations.prime_rl.loss import (
-    LossFn,
-    LossInputs,
-    LossOutputs,
-    ce_loss_fn,
-    compute_entropy,
-    import_object,
-    ref_kl_loss_fn,
-    selective_log_softmax,
-    shift_tensor_left,
-    shift_tensor_right,
-    summed,
-)
+from packloss.integrations.prime_rl.loss import *  # noqa: F403  # prime-rl's shared names, re-exported
+from packloss.integrations.prime_rl.loss import SHARED, LossFn, LossInputs, LossOutputs, import_object, summed
 
-__all__ = [
-    "Loss",
-    "LossFn",
-    "LossInputs",
-    "LossOutputs",
-    "IPOLossConfig",
-    "IcePopLossConfig",
-    "CustomLossConfig",
-    "LossConfig",
-    "IPOLoss",
-    "IcePopLoss",
-    "CustomLoss",
-    "setup_rl_loss_fn",
-    "compute_loss",
-    "ce_loss_fn",
-    "ref_kl_loss_fn",
-    "selective_log_softmax",
-    "compute_entropy",
-    "shift_tensor_left",
-    "shift_tensor_right",
-]
+__all__ = [*SHARED, "Loss", "IPOLossConfig", "IcePopLossConfig", "CustomLossConfig", "LossConfig", "IPOLoss",
+           "IcePopLoss", "CustomLoss", "setup_rl_loss_fn"]  # fmt: skip
 
 METRICS = ("masked_mismatch_kl", "unmasked_mismatch_kl", "is_masked")
 """The rl metrics prime-rl's IPO and IcePop losses report."""

@@ -12,40 +12,11 @@ from packloss.core.kl import KLPenalty
 from packloss.core.pg import PolicyGradient
 from packloss.core.trust_regions import DPPOMask, IPOMask
 from packloss.integrations.common.config import ConfigReader
-from packloss.integrations.prime_rl.loss import (
-    LossFn,
-    LossInputs,
-    LossOutputs,
-    ce_loss_fn,
-    compute_entropy,
-    compute_loss,
-    import_object,
-    ref_kl_loss_fn,
-    selective_log_softmax,
-    shift_tensor_left,
-    shift_tensor_right,
-    summed,
-)
+from packloss.integrations.prime_rl.loss import *  # noqa: F403  # prime-rl's shared names, re-exported
+from packloss.integrations.prime_rl.loss import SHARED, LossFn, LossInputs, LossOutputs, import_object, summed
 
-__all__ = [
-    "LossInputs",
-    "LossOutputs",
-    "LossFn",
-    "DefaultLossConfig",
-    "IPOLossConfig",
-    "CustomLossConfig",
-    "LossConfig",
-    "setup_rl_loss_fn",
-    "default_loss_fn",
-    "ipo_loss_fn",
-    "ref_kl_loss_fn",
-    "ce_loss_fn",
-    "compute_loss",
-    "selective_log_softmax",
-    "compute_entropy",
-    "shift_tensor_left",
-    "shift_tensor_right",
-]
+__all__ = [*SHARED, "DefaultLossConfig", "IPOLossConfig", "CustomLossConfig", "LossConfig", "setup_rl_loss_fn",
+           "default_loss_fn", "ipo_loss_fn"]  # fmt: skip
 
 
 @dataclass(frozen=True)

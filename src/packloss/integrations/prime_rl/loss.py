@@ -20,21 +20,11 @@ from packloss.core.metrics import masked_mean
 from packloss.core.pg import REF_KL, PolicyGradient, PolicyInputs, pg_loss
 from packloss.integrations.prime_rl.lists import packed_lists
 
-__all__ = [
-    "LossInputs",
-    "LossOutputs",
-    "LossFn",
-    "summed",
-    "ce_loss_fn",
-    "ref_kl_loss_fn",
-    "import_object",
-    "compute_loss",
-    "packed_loss",
-    "selective_log_softmax",
-    "compute_entropy",
-    "shift_tensor_left",
-    "shift_tensor_right",
-]
+SHARED = ("LossInputs", "LossOutputs", "LossFn", "ce_loss_fn", "ref_kl_loss_fn", "compute_loss",
+          "selective_log_softmax", "compute_entropy", "shift_tensor_left", "shift_tensor_right")  # fmt: skip
+"""The names of prime-rl's loss module that both its APIs share (re-exported by :mod:`.legacy` and :mod:`.current`)."""
+
+__all__ = [*SHARED, "SHARED", "LISTS", "summed", "import_object", "packed_loss"]
 
 
 @dataclass

@@ -31,18 +31,11 @@ __all__ = ["PacklossGRPOTrainer", "NORMALIZATIONS", "TRL_METRICS"]
 NORMALIZATIONS = ("trl", "step")
 """The values of ``PacklossGRPOTrainer(packloss_normalization=...)``."""
 
-_FORWARD_KWARGS = (
-    "pixel_values",
-    "image_grid_thw",
-    "num_images",
-    "pixel_attention_mask",
-    "spatial_shapes",
-    "num_tiles",
-    "image_sizes",
-    "token_type_ids",
-    "mm_token_type_ids",
-    "image_position_ids",
-)  # the batch entries TRL's forward takes besides the ids and the mask (multimodal models)
+# the batch entries TRL's forward takes besides the ids and the mask (multimodal models)
+_FORWARD_KWARGS = tuple(
+    "pixel_values image_grid_thw num_images pixel_attention_mask spatial_shapes num_tiles image_sizes "
+    "token_type_ids mm_token_type_ids image_position_ids".split()
+)
 _PPO_FAMILY = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 _GENERATION_TOKEN_MEAN = ("dapo", "cispo", "vespo")  # TRL divides by num_items_in_batch
 

@@ -61,24 +61,18 @@ K3_CAP = 10.0
 
 
 def k3_band(u: float) -> tuple[float, float]:
-    """``(x₋, x₊)``, the roots of ``eˣ − 1 − x = u`` (``x₋ < 0 < x₊``), by bisection to float precision."""
+    """``(x₋, x₊)``, the roots of ``eˣ − 1 − x = u`` (``x₋ < 0 < x₊``): Newton's method from a point
+    outside each root, where the convex function is positive, converges monotonically."""
 
-    def root(lo: float, hi: float) -> float:  # f(lo) and f(hi) of opposite signs
-        f_lo = math.expm1(lo) - lo - u
+    def newton(x: float) -> float:
         for _ in range(200):
-            mid = 0.5 * (lo + hi)
-            if mid in (lo, hi):
+            step = (math.expm1(x) - x - u) / math.expm1(x)
+            x -= step
+            if abs(step) <= 1e-15 * max(1.0, abs(x)):
                 break
-            if (math.expm1(mid) - mid - u > 0) == (f_lo > 0):
-                lo = mid
-            else:
-                hi = mid
-        return 0.5 * (lo + hi)
+        return x
 
-    hi = 1.0
-    while math.expm1(hi) - hi < u:
-        hi *= 2
-    return root(-(u + 1.0), 0.0), root(0.0, hi)
+    return newton(-(u + 1.0)), newton(math.log1p(u) + 1.0)
 
 
 def _normalization(
