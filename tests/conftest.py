@@ -9,9 +9,20 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from packloss import REF_KL, Component, KLPenalty, LossResult, Outputs, Plan, PolicyGradient, compute_loss
+from packloss import (
+    REF_KL,
+    Component,
+    KLPenalty,
+    LossResult,
+    Outputs,
+    Plan,
+    PolicyGradient,
+    RatioWeightedKL,
+    compute_loss,
+)
 from packloss.compat.prime_rl import DefaultLossConfig, IPOLossConfig
 from packloss.testing import ARCHETYPES, OpCounter, Streams, make_archetype, random_seq_lens
 
@@ -291,3 +302,63 @@ def demo_rollouts() -> list:
     for digits, completion in (("123", [7, 6, 5, 3]), ("98765432", [5, 6, 3]), ("4444", [8, 8, 8, 8, 8, 8])):
         out.append(demo.Rollout(digits, demo.encode_prompt(digits), completion, [0.0] * len(completion), 0.0, False))
     return out
+
+
+def region_family_tests(objectives: dict, papers: dict, regions: dict | None = None) -> dict:
+    """The tests every trust-region family file runs, as ``{name: test function}`` for its ``globals()``:
+    each objective of ``objectives`` (``name → (PolicyGradient, base)``) against its per-sequence paper
+    reference in ``papers`` (200 hypothesis packings), NaN-safe on non-members, sync-free and flat in the
+    sequences under every mode; ``regions`` (``name → (TrustRegion, reference)``, ratios against π_old)
+    likewise, alone and beside the ratio-weighted KL."""
+    many = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+    @pytest.mark.parametrize("name", sorted(objectives))
+    @many
+    @given(case=packings())
+    def test_objective_matches_paper_reference(name, case):
+        objective, base = objectives[name]
+        check_objective_against_paper(objective, base, papers, case)
+
+    @pytest.mark.parametrize("name", sorted(objectives))
+    def test_objective_is_nan_safe(name):
+        params, base = objectives[name]
+        check_nan_safe(params, old=base == "old")
+
+    @pytest.mark.parametrize("name", sorted(objectives))
+    @pytest.mark.parametrize("mode", NORMALIZE_MODES)
+    def test_objective_and_mode_sync_free_and_flat(name, mode):
+        params, base = objectives[name]
+        check_sync_free_and_flat(params, mode, old=base == "old")
+
+    tests = dict(
+        test_objective_matches_paper_reference=test_objective_matches_paper_reference,
+        test_objective_is_nan_safe=test_objective_is_nan_safe,
+        test_objective_and_mode_sync_free_and_flat=test_objective_and_mode_sync_free_and_flat,
+    )
+    if not regions:
+        return tests
+    modules = {f"pg_{k}": (PolicyGradient(region), RatioWeightedKL(0.04)) for k, (region, _) in regions.items()}
+
+    @pytest.mark.parametrize("name", sorted(regions))
+    @many
+    @given(case=packings())
+    def test_region_matches_paper_reference(name, case):
+        region, paper = regions[name]
+        check_against_paper(PolicyGradient(region), paper, case, with_old=True, rtol=1e-9)
+
+    @pytest.mark.parametrize("name", sorted(modules))
+    def test_module_parts_are_nan_safe(name):
+        rl, kl = modules[name]
+        check_nan_safe(rl, old=True, ref_kl=kl)
+
+    @pytest.mark.parametrize("name", sorted(modules))
+    @pytest.mark.parametrize("mode", ["token", "sequence_mean", "constant"])
+    def test_module_parts_sync_free_and_flat(name, mode):
+        rl, kl = modules[name]
+        check_sync_free_and_flat(rl, mode, old=True, ref_kl=kl, grouped=False)
+
+    return tests | dict(
+        test_region_matches_paper_reference=test_region_matches_paper_reference,
+        test_module_parts_are_nan_safe=test_module_parts_are_nan_safe,
+        test_module_parts_sync_free_and_flat=test_module_parts_sync_free_and_flat,
+    )

@@ -7,20 +7,13 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
 
 from conftest import (
-    NORMALIZE_MODES,
-    check_against_paper,
-    check_nan_safe,
-    check_objective_against_paper,
-    check_sync_free_and_flat,
     drift,
     one_bin,
-    packings,
+    region_family_tests,
 )
 from packloss import Component, KLPenalty, Outputs, Plan, PolicyGradient, compute_loss
-from packloss.core.kl import RatioWeightedKL
 from packloss.core.trust_regions import CISPO, SAPO, CISPOCap, ClampedPPOClip, PPOClip
 
 # name → (objective, ratio base of the paper reference: "inf", "old" or "sg" (on-policy))
@@ -81,50 +74,7 @@ CAP_REGIONS = {
     "cispo_cap": (CISPOCap(1.3), lambda seq: -(torch.exp(seq.trn - seq.old).clamp(max=1.3).detach() * seq.adv
                                                 * seq.trn * seq.w).sum()),
 }  # fmt: skip
-# ... and as the policy part of a module with the ratio-weighted KL
-MODULE_OBJECTIVES = {f"pg_{k}": (PolicyGradient(r), RatioWeightedKL(0.04)) for k, (r, _) in CAP_REGIONS.items()}
-
-
-@pytest.mark.parametrize("name", sorted(OBJECTIVES))
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=packings())
-def test_objective_matches_paper_reference(name, case):
-    objective, base = OBJECTIVES[name]
-    check_objective_against_paper(objective, base, PAPERS, case)
-
-
-@pytest.mark.parametrize("name", sorted(CAP_REGIONS))
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=packings())
-def test_region_matches_paper_reference(name, case):
-    region, paper = CAP_REGIONS[name]
-    check_against_paper(PolicyGradient(region), paper, case, with_old=True, rtol=1e-9)
-
-
-@pytest.mark.parametrize("name", sorted(OBJECTIVES))
-def test_objective_is_nan_safe(name):
-    params, base = OBJECTIVES[name]
-    check_nan_safe(params, old=base == "old")
-
-
-@pytest.mark.parametrize("name", sorted(MODULE_OBJECTIVES))
-def test_module_parts_are_nan_safe(name):
-    rl, kl = MODULE_OBJECTIVES[name]
-    check_nan_safe(rl, old=True, ref_kl=kl)
-
-
-@pytest.mark.parametrize("name", sorted(OBJECTIVES))
-@pytest.mark.parametrize("mode", NORMALIZE_MODES)
-def test_objective_and_mode_sync_free_and_flat(name, mode):
-    params, base = OBJECTIVES[name]
-    check_sync_free_and_flat(params, mode, old=base == "old")
-
-
-@pytest.mark.parametrize("name", sorted(MODULE_OBJECTIVES))
-@pytest.mark.parametrize("mode", ["token", "sequence_mean", "constant"])
-def test_module_parts_sync_free_and_flat(name, mode):
-    rl, kl = MODULE_OBJECTIVES[name]
-    check_sync_free_and_flat(rl, mode, old=True, ref_kl=kl, grouped=False)
+globals().update(region_family_tests(OBJECTIVES, PAPERS, CAP_REGIONS))
 
 
 def test_clip_metrics_count_what_they_claim():

@@ -7,16 +7,11 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
 
 from conftest import (
-    NORMALIZE_MODES,
-    check_nan_safe,
-    check_objective_against_paper,
-    check_sync_free_and_flat,
     drift,
     one_bin,
-    packings,
+    region_family_tests,
 )
 from packloss import REF_KL, KLPenalty, PolicyGradient
 from packloss.core.trust_regions import DPPOKL, DPPOTV, DPPOMask, IcePop, IcePopLogBand, IPOMask, OneSided
@@ -109,25 +104,7 @@ PAPERS = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(OBJECTIVES))
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=packings())
-def test_objective_matches_paper_reference(name, case):
-    objective, base = OBJECTIVES[name]
-    check_objective_against_paper(objective, base, PAPERS, case)
-
-
-@pytest.mark.parametrize("name", sorted(OBJECTIVES))
-def test_objective_is_nan_safe(name):
-    params, base = OBJECTIVES[name]
-    check_nan_safe(params, old=base == "old")
-
-
-@pytest.mark.parametrize("name", sorted(OBJECTIVES))
-@pytest.mark.parametrize("mode", NORMALIZE_MODES)
-def test_objective_and_mode_sync_free_and_flat(name, mode):
-    params, base = OBJECTIVES[name]
-    check_sync_free_and_flat(params, mode, old=base == "old")
+globals().update(region_family_tests(OBJECTIVES, PAPERS))
 
 
 @pytest.mark.parametrize(

@@ -7,20 +7,13 @@ import math
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
 
 from conftest import (
-    NORMALIZE_MODES,
-    check_against_paper,
-    check_nan_safe,
-    check_objective_against_paper,
-    check_sync_free_and_flat,
     drift,
     one_bin,
-    packings,
+    region_family_tests,
 )
 from packloss import TRUST_REGIONS, Component, KLPenalty, Outputs, Plan, PolicyGradient, compute_loss
-from packloss.core.kl import RatioWeightedKL
 from packloss.core.trust_regions import GMPO, GSPO, CISPOCap, PPOClip, SequenceLevel, SequenceRatioClip
 
 # name → (objective, ratio base of the paper reference: "inf", "old" or "sg" (on-policy))
@@ -101,52 +94,7 @@ SEQUENCE_REGIONS = {
     "sequence_cispo": (SequenceLevel(CISPOCap(1.1)), lambda seq: _sequence_reference(seq, CISPOCap(1.1))),
     **{f"sequence_{r.name}": (SequenceLevel(r), lambda seq, r=r: _sequence_reference(seq, r)) for r in _sapo_regions()},
 }  # fmt: skip
-# ... and as the policy part of a module with the ratio-weighted KL
-MODULE_OBJECTIVES = {
-    f"pg_{k}": (PolicyGradient(region), RatioWeightedKL(0.04)) for k, (region, _) in SEQUENCE_REGIONS.items()
-}
-
-
-@pytest.mark.parametrize("name", sorted(OBJECTIVES))
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=packings())
-def test_objective_matches_paper_reference(name, case):
-    objective, base = OBJECTIVES[name]
-    check_objective_against_paper(objective, base, PAPERS, case)
-
-
-@pytest.mark.parametrize("name", sorted(SEQUENCE_REGIONS))
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(case=packings())
-def test_region_matches_paper_reference(name, case):
-    region, paper = SEQUENCE_REGIONS[name]
-    check_against_paper(PolicyGradient(region), paper, case, with_old=True, rtol=1e-9)
-
-
-@pytest.mark.parametrize("name", sorted(OBJECTIVES))
-def test_objective_is_nan_safe(name):
-    params, base = OBJECTIVES[name]
-    check_nan_safe(params, old=base == "old")
-
-
-@pytest.mark.parametrize("name", sorted(MODULE_OBJECTIVES))
-def test_module_parts_are_nan_safe(name):
-    rl, kl = MODULE_OBJECTIVES[name]
-    check_nan_safe(rl, old=True, ref_kl=kl)
-
-
-@pytest.mark.parametrize("name", sorted(OBJECTIVES))
-@pytest.mark.parametrize("mode", NORMALIZE_MODES)
-def test_objective_and_mode_sync_free_and_flat(name, mode):
-    params, base = OBJECTIVES[name]
-    check_sync_free_and_flat(params, mode, old=base == "old")
-
-
-@pytest.mark.parametrize("name", sorted(MODULE_OBJECTIVES))
-@pytest.mark.parametrize("mode", ["token", "sequence_mean", "constant"])
-def test_module_parts_sync_free_and_flat(name, mode):
-    rl, kl = MODULE_OBJECTIVES[name]
-    check_sync_free_and_flat(rl, mode, old=True, ref_kl=kl, grouped=False)
+globals().update(region_family_tests(OBJECTIVES, PAPERS, SEQUENCE_REGIONS))
 
 
 def test_gspo_sequence_ratio_metrics():

@@ -14,16 +14,11 @@ import torch
 from trl import GRPOTrainer
 
 from packloss import (
-    TRUST_REGIONS,
     Outputs,
     Plan,
-    PolicyGradient,
-    RolloutCorrection,
     compute_loss,
     count_denominators,
 )
-from packloss.core.kl import RatioWeightedKL
-from packloss.core.trust_regions import VESPO, CISPOCap, PPOClip, SequenceLevel
 from packloss.integrations.trl import LOSS_TYPES
 from packloss.testing.trl import bare_grpo_trainer, padded_inputs, stub_forward, trl_config
 
@@ -266,76 +261,3 @@ VARIANTS = {
     "sequence_is_on_sequence_level": dict(loss_type="grpo", importance_sampling_level="sequence", use_vllm=True,
                                           vllm_importance_sampling_mode="sequence_truncate"),
 }  # fmt: skip
-
-
-def _f64(x: float) -> torch.Tensor:
-    return torch.tensor(x, dtype=F64)  # torch.where(cond, float, float) would round to float32
-
-
-def _vespo_reference(seq, region: VESPO):
-    """VESPO (arXiv:2602.10693): φ(w) = e^λ · w^k · e^(−λw) of the sequence weight, as TRL clamps it."""
-    log_w = (seq.trn - seq.old).detach().clamp(-20, 20).sum()
-    c = region.correction
-    if c is not None:  # token-level rollout weights folded into w (TRL's vespo)
-        rho = torch.exp(seq.old - seq.inf)
-        if c.mode == "truncate":
-            weight = rho.clamp(min=c.low, max=c.high)
-        else:
-            weight = torch.where((rho <= c.high) & (rho >= (c.low or 0.0)), rho, 0.0)
-        log_w = log_w + torch.log(weight).clamp(math.log(1e-8), 20).sum()
-    w = log_w.clamp(math.log(1e-8), 20).exp()
-    pos = seq.adv >= 0
-    k = torch.where(pos, _f64(region.k_pos), _f64(region.k_neg))
-    lam = torch.where(pos, _f64(region.lambda_pos), _f64(region.lambda_neg))
-    phi = torch.exp(lam) * w**k * torch.exp(-lam * w)
-    return -(phi * seq.adv * seq.trn * seq.w).sum()
-
-
-def _sequence_reference(seq, inner):
-    """GSPO's sequence-level objective: the inner region on s = exp(mean log r), differentiable."""
-    s = torch.exp((seq.trn - seq.old).mean()).expand_as(seq.trn)
-    if isinstance(inner, PPOClip):
-        objective = torch.min(s * seq.adv, s.clamp(1 - inner.clip_low, 1 + inner.clip_high) * seq.adv)
-        if inner.dual_clip_c is not None:
-            objective = torch.where(seq.adv < 0, torch.max(objective, inner.dual_clip_c * seq.adv), objective)
-    elif isinstance(inner, CISPOCap):
-        objective = s.clamp(max=inner.cap).detach() * seq.adv * seq.trn
-    else:  # SAPO: (4/τ) σ(τ (s − 1)) A
-        tau = torch.where(seq.adv > 0, _f64(inner.tau_pos), _f64(inner.tau_neg))
-        objective = 4 / tau * torch.sigmoid(tau * (s - 1)) * seq.adv
-    return -(objective * seq.w).sum()
-
-
-def _kl_reference(seq, coef: float, level: str):
-    log_r = seq.trn - seq.old
-    rho = torch.exp(log_r.mean() if level == "sequence" else log_r)
-    x = seq.ref - seq.trn
-    return (coef * rho * (x.exp() - x - 1) * seq.w).sum()
-
-
-def _sapo_regions():
-    return [TRUST_REGIONS["sapo"](1.0, 1.05)]
-
-
-REGIONS = {
-    "cispo_cap": (CISPOCap(1.3), lambda seq: -(torch.exp(seq.trn - seq.old).clamp(max=1.3).detach() * seq.adv
-                                                * seq.trn * seq.w).sum()),
-    "vespo": (VESPO(), lambda seq: _vespo_reference(seq, VESPO())),
-    "vespo_tis": (VESPO(correction=RolloutCorrection(mode="truncate", high=2.0, low=0.5)),
-                  lambda seq: _vespo_reference(seq, VESPO(correction=RolloutCorrection(mode="truncate", high=2.0,
-                                                                                      low=0.5)))),
-    "vespo_mis": (VESPO(1.5, 2.5, 2.0, 1.0, RolloutCorrection(mode="mask", high=1.5)),
-                  lambda seq: _vespo_reference(seq, VESPO(1.5, 2.5, 2.0, 1.0, RolloutCorrection(mode="mask",
-                                                                                                high=1.5)))),
-    "sequence_ppo": (SequenceLevel(PPOClip(0.2, 0.28)), lambda seq: _sequence_reference(seq, PPOClip(0.2, 0.28))),
-    "sequence_dual": (SequenceLevel(PPOClip(0.2, 0.28, 1.4)),
-                      lambda seq: _sequence_reference(seq, PPOClip(0.2, 0.28, 1.4))),
-    "sequence_cispo": (SequenceLevel(CISPOCap(1.1)), lambda seq: _sequence_reference(seq, CISPOCap(1.1))),
-    **{f"sequence_{r.name}": (SequenceLevel(r), lambda seq, r=r: _sequence_reference(seq, r)) for r in _sapo_regions()},
-}  # fmt: skip
-
-
-def _module_objectives():
-    out = {f"pg_{k}": (PolicyGradient(region), RatioWeightedKL(0.04)) for k, (region, _) in REGIONS.items()}
-    out["kl_sequence"] = (PolicyGradient(SequenceLevel()), RatioWeightedKL(0.04, "sequence"))
-    return out
