@@ -6,6 +6,7 @@ original forward runs, so ``generate`` works). ``transformers`` is never importe
 
 from __future__ import annotations
 
+import functools
 import types
 from dataclasses import dataclass
 
@@ -114,8 +115,8 @@ def causal_lm_logprobs(
 def patch_causal_lm(
     model: torch.nn.Module, chunk_size: int | None = None, vocab_chunk_size: int | None = None
 ) -> torch.nn.Module:
-    """Make ``model(input_ids, labels=..., temperature=..., return_entropy=..., entropy_grad=...,
-    **kwargs)`` return a :class:`FusedCausalLMOutput` (see module doc); returns ``model`` itself.
+    """Make ``model(input_ids, labels=..., **kwargs)`` return :func:`causal_lm_logprobs`'s
+    :class:`FusedCausalLMOutput` (its keywords: ``temperature``, ``return_entropy``, …); returns ``model``.
 
     Without ``labels`` the original forward runs. Idempotent; the original forward is kept as
     ``model._packloss_original_forward``. ``chunk_size`` and ``vocab_chunk_size`` are validated here
@@ -129,32 +130,12 @@ def patch_causal_lm(
     if hasattr(model, "_packloss_original_forward"):
         return model
     original = model.forward
+    fused = functools.partial(causal_lm_logprobs, chunk_size=chunk_size, vocab_chunk_size=vocab_chunk_size)
 
-    def forward(
-        self,
-        input_ids=None,
-        labels=None,
-        *,
-        temperature: float | torch.Tensor = 1.0,
-        return_entropy: bool = True,
-        entropy_grad: bool = False,
-        ignore_index: int = -100,
-        **kwargs,
-    ):
+    def forward(self, input_ids=None, labels=None, **kwargs):
         if labels is None:
             return original(input_ids=input_ids, **kwargs)
-        return causal_lm_logprobs(
-            self,
-            input_ids,
-            labels,
-            temperature=temperature,
-            return_entropy=return_entropy,
-            entropy_grad=entropy_grad,
-            ignore_index=ignore_index,
-            chunk_size=chunk_size,
-            vocab_chunk_size=vocab_chunk_size,
-            **kwargs,
-        )
+        return fused(self, input_ids, labels, **kwargs)
 
     model._packloss_original_forward = original
     model.forward = types.MethodType(forward, model)

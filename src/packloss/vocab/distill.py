@@ -12,19 +12,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from packloss.core.dtypes import compute_dtype
-from packloss.vocab.core import (
-    ChunkRun,
-    DivergenceSpec,
-    Impl,
-    TeacherFormat,
-    VocabParallel,
-    check_parallel,
-    chunk_core,
-    chunk_ranges,
-    chunk_rows,
-    graph_is_kept,
-    resolve_impl,
-)
+from packloss.vocab import core as chunks
+from packloss.vocab.core import ChunkRun, DivergenceSpec, Impl, TeacherFormat, VocabParallel
 
 __all__ = ["divergence", "reverse_kl", "forward_kl", "jsd", "soft_cross_entropy"]
 
@@ -50,10 +39,10 @@ class _PerToken(torch.autograd.Function):
         n = student.shape[0]
         grad = torch.empty_like(student) if ctx.needs_input_grad[0] else None  # [N, V], logits dtype
         loss = torch.empty(n, dtype=compute_dtype(student.dtype), device=student.device)  # [N]
-        for start, stop in chunk_ranges(n, run.rows):
+        for start, stop in chunks.chunk_ranges(n, run.rows):
             m_c = None if mask is None else mask[start:stop]  # [c]
             out = None if grad is None else grad[start:stop]  # [c, V]
-            loss[start:stop], _ = chunk_core(student[start:stop], teacher[start:stop], m_c, None, run, out=out)
+            loss[start:stop], _ = chunks.chunk_core(student[start:stop], teacher[start:stop], m_c, None, run, out=out)
         if grad is not None:
             ctx.save_for_backward(grad, mask)
             ctx.rows = run.rows
@@ -64,8 +53,8 @@ class _PerToken(torch.autograd.Function):
     def backward(ctx, grad_output: Tensor):
         grad, mask = ctx.saved_tensors
         g = grad_output if mask is None else torch.where(mask, grad_output, 0.0)  # [N]; no 0 · NaN rows
-        out = torch.empty_like(grad) if graph_is_kept() else None  # [N, V], or scale in place
-        for start, stop in chunk_ranges(grad.shape[0], ctx.rows):
+        out = torch.empty_like(grad) if chunks.graph_is_kept() else None  # [N, V], or scale in place
+        for start, stop in chunks.chunk_ranges(grad.shape[0], ctx.rows):
             _scale_rows(grad[start:stop], g[start:stop], None if out is None else out[start:stop])
         return (grad if out is None else out), None, None, None
 
@@ -151,7 +140,12 @@ def divergence(
     n, v = student_logits.shape
     mask = _check_mask(loss_mask, n)
     device = student_logits.device
-    run = ChunkRun(spec, chunk_rows(v, device, chunk_size), resolve_impl(impl, device), check_parallel(parallel))
+    run = ChunkRun(
+        spec,
+        chunks.chunk_rows(v, device, chunk_size),
+        chunks.resolve_impl(impl, device),
+        chunks.check_parallel(parallel),
+    )
     return _PerToken.apply(student_logits, teacher_logits.detach(), mask, run)
 
 

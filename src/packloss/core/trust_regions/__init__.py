@@ -7,61 +7,13 @@ Families: :mod:`.masking` (drop tokens), :mod:`.clipping` (clipped and gated), :
 Formulas and peer mappings: ``docs/objectives.md``.
 """
 
-from packloss.core.trust_regions.base import (
-    TRUST_REGIONS,
-    PolicyTerms,
-    SelectionStreams,
-    StepSelector,
-    Surrogate,
-    TrustRegion,
-    register_trust_region,
-    trust_region,
-)
-from packloss.core.trust_regions.clipping import CISPO, SAPO, CISPOCap, ClampedPPOClip, PPOClip
-from packloss.core.trust_regions.masking import (
-    DPPOKL,
-    DPPOTV,
-    DPPOMask,
-    IcePop,
-    IcePopLogBand,
-    IPOMask,
-    NoRegion,
-    OneSided,
-)
-from packloss.core.trust_regions.reinforce import GPG, TOPR, VESPO
-from packloss.core.trust_regions.selection import M2PO, ClipCov, KLCov
-from packloss.core.trust_regions.sequence import GMPO, GSPO, SequenceLevel, SequenceRatioClip
+from packloss.core.trust_regions import base, clipping, masking, reinforce, selection, sequence
+from packloss.core.trust_regions.base import *  # noqa: F403
+from packloss.core.trust_regions.clipping import *  # noqa: F403
+from packloss.core.trust_regions.masking import *  # noqa: F403
+from packloss.core.trust_regions.reinforce import *  # noqa: F403
+from packloss.core.trust_regions.selection import *  # noqa: F403
+from packloss.core.trust_regions.sequence import *  # noqa: F403
 
-__all__ = [
-    "PolicyTerms",
-    "Surrogate",
-    "TrustRegion",
-    "StepSelector",
-    "SelectionStreams",
-    "TRUST_REGIONS",
-    "register_trust_region",
-    "trust_region",
-    "DPPOMask",
-    "IPOMask",
-    "OneSided",
-    "NoRegion",
-    "IcePop",
-    "IcePopLogBand",
-    "DPPOTV",
-    "DPPOKL",
-    "PPOClip",
-    "ClampedPPOClip",
-    "CISPO",
-    "CISPOCap",
-    "SAPO",
-    "GSPO",
-    "SequenceLevel",
-    "SequenceRatioClip",
-    "GMPO",
-    "GPG",
-    "TOPR",
-    "VESPO",
-    "ClipCov",
-    "KLCov",
-    "M2PO",
-]
+__all__ = [*base.__all__, *masking.__all__, *clipping.__all__, *sequence.__all__, *reinforce.__all__,
+           *selection.__all__]  # fmt: skip

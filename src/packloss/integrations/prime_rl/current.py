@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Literal, Protocol
 
 from torch import Tensor
@@ -79,15 +79,17 @@ class CustomLossConfig:
 
 LossConfig = IPOLossConfig | IcePopLossConfig | CustomLossConfig
 
-_CLASS = {"ipo": "IPOLossConfig", "icepop": "IcePopLossConfig", "custom": "CustomLossConfig"}
-_DEFAULTS: dict[str, dict[str, Any]] = {
-    "ipo": {"type": "ipo", "eps": 0.3, "adv_tau": 1.0, "kl_tau": 0.0},
-    "icepop": {"type": "icepop", "ratio_low": 0.2, "ratio_high": 5.0, "adv_tau": 1.0},
-    "custom": {"type": "custom", "kwargs": {}},
-}
-_FIELDS = {
-    kind: set(defaults) | ({"import_path"} if kind == "custom" else set()) for kind, defaults in _DEFAULTS.items()
-}
+
+def _defaults(cls: type) -> dict[str, Any]:
+    """The fields of config class ``cls`` that have a default, with it."""
+    has = [f for f in fields(cls) if f.default is not MISSING or f.default_factory is not MISSING]
+    return {f.name: f.default if f.default_factory is MISSING else f.default_factory() for f in has}
+
+
+_CONFIGS = {"ipo": IPOLossConfig, "icepop": IcePopLossConfig, "custom": CustomLossConfig}
+_CLASS = {kind: cls.__name__ for kind, cls in _CONFIGS.items()}
+_FIELDS = {kind: {f.name for f in fields(cls)} for kind, cls in _CONFIGS.items()}
+_DEFAULTS = {kind: _defaults(cls) for kind, cls in _CONFIGS.items()}
 _WHY = {
     "ipo_threshold": "the #2951-era name of eps (prime-rl #3418 renamed it); that API is packloss.compat.prime_rl",
     "max_importance_ratio": "a later prime-rl IPO option (a capped importance weight) this adapter does not implement",
