@@ -1,5 +1,6 @@
 """packloss.core.pg: the policy-gradient objective against its formula written out token by token in
-plain Python; its arguments' validation; the historical loss types."""
+plain Python; its arguments' validation; the historical loss types; finite gradients wherever the loss
+is finite, for every region, correction and penalty at extreme log-ratios."""
 
 from __future__ import annotations
 
@@ -7,10 +8,25 @@ import math
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import one_sequence
-from packloss import DPPO, IPO, REF_KL, KLPenalty, PolicyGradient
-from packloss.core.trust_regions import DPPOMask, OneSided
+from packloss import (
+    DPPO,
+    IPO,
+    REF_KL,
+    TRUST_REGIONS,
+    Component,
+    GatedCorrection,
+    KLPenalty,
+    Outputs,
+    Plan,
+    PolicyGradient,
+    RolloutCorrection,
+    compute_loss,
+)
+from packloss.core.trust_regions import ClampedPPOClip, DPPOMask, OneSided, PPOClip, SequenceRatioClip
 
 
 def token_loss(trn, inf, ref, adv, member, w, p: PolicyGradient) -> float:
@@ -135,3 +151,80 @@ def test_instances_are_the_historical_loss_types():
     )
     with pytest.raises(ValueError, match="needs the plan's ref_logprobs"):
         one_sequence(REF_KL, torch.zeros(2), torch.zeros(2), None, None, torch.ones(2, dtype=torch.bool))
+
+
+def _extreme_objectives() -> dict[str, PolicyGradient]:
+    """Every registered trust region, every correction and every penalty."""
+    objectives = {name: PolicyGradient(name) for name in TRUST_REGIONS}
+    objectives["ppo_clip_dual"] = PolicyGradient(PPOClip(dual_clip_c=3.0))
+    objectives["ppo_clip_clamped_dual"] = PolicyGradient(ClampedPPOClip(dual_clip_c=3.0))
+    objectives["sequence_ratio_clip_dual"] = PolicyGradient(SequenceRatioClip(dual_clip_c=3.0))
+    for level in ("token", "sequence"):
+        for mode, low in (("truncate", None), ("mask", 0.5)):
+            correction = RolloutCorrection(level, mode, high=2.0, low=low)
+            objectives[f"correction/{level}/{mode}"] = PolicyGradient("ppo_clip", correction=correction)
+        for gating in ("binary_kl", "tv"):
+            correction = GatedCorrection(level=level, mode="mask", high=1.0, gating=gating)
+            objectives[f"gated/{level}/{gating}"] = PolicyGradient("ppo_clip", correction=correction)
+    for estimator in ("k1", "k2", "k3", "squared_log_ratio"):
+        for against in ("old", "rollout", "ref"):
+            penalty = KLPenalty(0.1, estimator, against)
+            objectives[f"penalty/{estimator}/{against}"] = PolicyGradient("ppo_clip", penalties=(penalty,))
+    return objectives
+
+
+EXTREME_OBJECTIVES = _extreme_objectives()
+_LOG_RATIOS = st.one_of(
+    st.sampled_from([0.0, 1e4, -1e4, 100.0, -100.0, 800.0, -800.0, math.inf]),  # inf: old/rollout = −inf
+    st.floats(-1e4, 1e4),
+)
+
+
+@st.composite
+def _extreme_bins(draw):
+    """A packed bin whose member tokens carry log-ratios up to ±1e4 (and −inf old / rollout log-probs)
+    against π_old, π_rollout and the reference; advantages per sequence or per token."""
+    lens = draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    n = sum(lens)
+    tokens = st.lists(_LOG_RATIOS, min_size=n, max_size=n)
+    trn = draw(st.lists(st.floats(-5.0, -0.01), min_size=n, max_size=n))
+    old, rollout, ref = (draw(tokens) for _ in range(3))
+    if draw(st.booleans()):
+        per_seq = draw(st.lists(st.sampled_from([1.0, -1.0, 0.5, -2.0]), min_size=len(lens), max_size=len(lens)))
+        adv = [a for a, k in zip(per_seq, lens, strict=True) for _ in range(k)]
+    else:
+        adv = draw(st.lists(st.sampled_from([1.0, -1.0, 0.5, 0.0]), min_size=n, max_size=n))
+    member = draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    return tuple(lens), trn, old, rollout, ref, adv, member
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("name", sorted(EXTREME_OBJECTIVES))
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=_extreme_bins())
+def test_gradient_is_finite_wherever_the_loss_is(name, dtype, case):
+    lens, trn, old, rollout, ref, adv, member = case
+    trn = torch.tensor(trn, dtype=dtype, requires_grad=True)
+    streams = {
+        key: trn.detach() - torch.tensor(log_ratio, dtype=dtype)
+        for key, log_ratio in (("old_logprobs", old), ("rollout_logprobs", rollout), ("ref_logprobs", ref))
+    }
+    m = torch.tensor(member)
+    plan = Plan(lens, {"pg": Component(EXTREME_OBJECTIVES[name], m)}, advantages=torch.tensor(adv, dtype=dtype),
+                **streams)  # fmt: skip
+    loss = compute_loss(plan, Outputs(logprobs=trn)).loss
+    if torch.isfinite(loss):
+        (grad,) = torch.autograd.grad(loss, trn)
+        assert torch.isfinite(grad).all(), (loss, grad)
+
+
+def test_a_clipped_overflowing_ratio_has_the_clipped_value_and_no_gradient():
+    """PPO clip, A > 0 and log r = 100 (r overflows float32): J = (1 + ε)·A, and the token's gradient
+    is exactly 0 (it was 0 · inf = NaN before the ratio was bounded)."""
+    trn = torch.tensor([-1.0, -2.0], requires_grad=True)
+    summed = Component(PolicyGradient("ppo_clip"), torch.ones(2, dtype=torch.bool), None, "constant", 1.0)
+    plan = Plan((2,), {"pg": summed}, old_logprobs=torch.tensor([-101.0, -2.0]), advantages=torch.tensor([1.0, 1.0]))
+    loss = compute_loss(plan, Outputs(logprobs=trn)).loss
+    (grad,) = torch.autograd.grad(loss, trn)
+    assert loss.item() == pytest.approx(-(1.2 + 1.0))
+    assert grad.tolist() == [0.0, -1.0]

@@ -18,7 +18,7 @@ from torch import Tensor
 from packloss.core import checks
 from packloss.core.bin import ComponentInputs, ComponentOutput, Objective, Plan, Selection
 from packloss.core.corrections import RolloutCorrection
-from packloss.core.dtypes import upcast
+from packloss.core.dtypes import finite_exp, upcast
 from packloss.core.kl import KLPenalty, kl_estimate
 from packloss.core.metrics import metric_means
 from packloss.core.trust_regions import (
@@ -184,7 +184,7 @@ def policy_terms(p: PolicyInputs, objective: PolicyGradient) -> PolicyTerms:
         trn=trn,
         base=base,
         log_r=log_r,
-        r=torch.exp(log_r),
+        r=finite_exp(log_r),
         adv=adv,
         a=objective.adv_coef * adv,
         seq_ids=p.seq_ids,
@@ -239,7 +239,7 @@ def pg_loss(p: PolicyInputs, objective: PolicyGradient) -> ComponentOutput:
         named[penalty.metric] = (k, m)
 
     is_masked = result.metrics.get("is_masked", torch.zeros_like(m))
-    mismatch_kl = t.r.detach() - t.log_r.detach() - 1  # [N]
+    mismatch_kl = torch.exp(t.log_r.detach()) - t.log_r.detach() - 1  # [N], unbounded: a metric
     keep, drop = m & ~is_masked, m & is_masked
     metrics = {
         "masked_mismatch_kl": (mismatch_kl, drop),

@@ -31,7 +31,7 @@ class PolicyTerms:
     """The per-token quantities of one bin that every trust region reads (``[N]``, ``S`` sequences).
 
     ``m`` members (bool); ``trn`` log π_θ (carries the gradient); ``base`` the ratio's denominator
-    (detached); ``log_r = where(m, trn − base, 0)``; ``r = exp(log_r)``; ``adv`` the raw advantage
+    (detached); ``log_r = where(m, trn − base, 0)``; ``r = finite_exp(log_r)``; ``adv`` the raw advantage
     (detached, 0 off ``m``); ``a = adv_coef · adv``; ``seq_ids`` ``[N]`` long; ``num_seqs`` ``S``;
     ``old`` / ``rollout`` the old and rollout log-probs (detached, None when the plan has none);
     ``selected`` / ``scores`` the step-wide selection of a :class:`StepSelector` region (else None).
@@ -226,7 +226,7 @@ def check_clip(region: TrustRegion) -> None:
 def masked(t: PolicyTerms, drop: Tensor, metrics: dict[str, Tensor]) -> Surrogate:
     """The token-dropping regions: ``J = (m & ¬drop) · a · r``."""
     keep = t.m & ~drop
-    return Surrogate(keep * t.a * t.r, {"is_masked": drop, **metrics})
+    return Surrogate(torch.where(keep, t.a * t.r, 0.0), {"is_masked": drop, **metrics})
 
 
 def clamped_ratio(t: PolicyTerms) -> Tensor:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from packloss.core.dtypes import finite_exp
 from packloss.core.segments import broadcast, segment_mean, segment_sum
 from packloss.core.trust_regions.base import (
     PolicyTerms,
@@ -43,7 +44,7 @@ class GSPO(TrustRegion):
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         seq_log_r, count = segment_mean(t.log_r.detach(), t.m, t.seq_ids, t.num_seqs)  # [S]
-        seq_ratio = torch.exp(seq_log_r)  # [S]
+        seq_ratio = finite_exp(seq_log_r)  # [S]
         trn_m = torch.where(t.m, t.trn, 0.0)
         token_ratio = broadcast(seq_ratio, t.seq_ids) * torch.exp(trn_m - trn_m.detach())  # [N]
         surrogate, metrics = PPOClip(self.clip_low, self.clip_high).clipped(token_ratio, t.a)
@@ -72,8 +73,8 @@ class SequenceLevel(TrustRegion):
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         seq_log_r, count = _sequence_log_ratio(t)  # [S]
         log_s = torch.where(t.m, broadcast(seq_log_r, t.seq_ids), 0.0)  # [N]
-        result = self.inner.surrogate(replace(t, log_r=log_s, r=torch.exp(log_s)))
-        result.sequence_ratio = (torch.exp(seq_log_r.detach()), count > 0)
+        result = self.inner.surrogate(replace(t, log_r=log_s, r=finite_exp(log_s)))
+        result.sequence_ratio = (finite_exp(seq_log_r.detach()), count > 0)
         return result
 
 
@@ -90,7 +91,7 @@ class SequenceRatioClip(PPOClip):
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         seq_log_r, count = _sequence_log_ratio(t)  # [S], differentiable
-        seq_ratio = torch.exp(seq_log_r)  # [S]
+        seq_ratio = finite_exp(seq_log_r)  # [S]
         ratio = broadcast(seq_ratio, t.seq_ids)  # [N]
         return self.clipped_with_ratio_metric(t, ratio, sequence_ratio=(seq_ratio.detach(), count > 0))
 
