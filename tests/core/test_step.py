@@ -441,3 +441,75 @@ def test_fsdp2_two_ranks_match_single_process():
     for rank in ranks:
         for got, expected in zip(rank, want, strict=True):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Heterogeneous micro-batches: a component absent from some bins of the step
+# ---------------------------------------------------------------------------------------------------
+
+HETERO_LENS, HETERO_GROUPS = [3, 1, 2, 4], [0, 1, 0, 1]
+HETERO_PARTS = [(slice(0, 4), slice(0, 2), True), (slice(4, 10), slice(2, 4), False)]  # tokens, sequences, sft
+
+
+def hetero_step(mode: str) -> dict:
+    """Ten tokens in four sequences; ``rl`` everywhere, ``sft`` members only in the first two sequences."""
+    g = torch.Generator().manual_seed(3)
+    theta = -torch.rand(10, generator=g, dtype=torch.float64) - 0.1
+    return dict(
+        mode=mode,
+        theta=theta.requires_grad_(),
+        old=theta.detach() + 0.1 * torch.randn(10, generator=g, dtype=torch.float64),
+        adv=torch.randn(10, generator=g, dtype=torch.float64),
+        rl=torch.tensor([1, 1, 0, 1, 1, 0, 1, 1, 1, 0], dtype=torch.bool),
+        sft=torch.tensor([0, 1, 1, 1, 0, 0, 0, 0, 0, 0], dtype=torch.bool),
+        constant=CONSTANT if mode == "constant" else None,
+    )
+
+
+def hetero_plan(c: dict, tokens: slice, seqs: slice, with_sft: bool) -> Plan:
+    components = {"rl": Component(PolicyGradient("ppo_clip"), c["rl"][tokens], None, c["mode"], c["constant"])}
+    if with_sft:
+        components["sft"] = Component(SFT(), c["sft"][tokens], None, c["mode"], c["constant"])
+    return Plan(HETERO_LENS[seqs], components, old_logprobs=c["old"][tokens], advantages=c["adv"][tokens],
+                group_ids=HETERO_GROUPS[seqs])  # fmt: skip
+
+
+def hetero_loss(c: dict, parts, **count) -> torch.Tensor:
+    plans = [hetero_plan(c, *part) for part in parts]
+    d = count_denominators(plans, num_groups=2, **count)
+    return sum(
+        compute_loss(p, Outputs(logprobs=c["theta"][t]), d).loss for p, (t, _, _) in zip(plans, parts, strict=True)
+    )
+
+
+def hetero_whole_gradient(mode: str) -> torch.Tensor:
+    c = hetero_step(mode)
+    return torch.autograd.grad(hetero_loss(c, [(slice(0, 10), slice(0, 4), True)]), c["theta"])[0]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_component_absent_from_a_micro_batch_gets_the_step_denominator(mode):
+    """Micro-batch A declares {rl, sft}, B only {rl}: the split step equals the whole bin (where sft has no
+    members in B's positions) in gradient, for every mode. ``position`` used to count only the positions
+    of the bins that declare the component (sft's D = 4 instead of 10)."""
+    c = hetero_step(mode)
+    (split,) = torch.autograd.grad(hetero_loss(c, HETERO_PARTS), c["theta"])
+    assert torch.allclose(split, hetero_whole_gradient(mode), rtol=1e-12, atol=1e-15)
+
+
+def _hetero_worker(rank: int, world_size: int) -> dict:
+    out = {}
+    for mode in MODES:
+        c = hetero_step(mode)
+        step_mode = (Normalize.of(mode), c["constant"])
+        loss = hetero_loss(c, [HETERO_PARTS[rank]], all_reduce=True, modes={"rl": step_mode, "sft": step_mode})
+        out[mode] = torch.autograd.grad(loss, c["theta"])[0]
+    return out
+
+
+def test_a_component_absent_from_a_rank_gets_the_step_denominator():
+    """The same split over two gloo ranks: rank 1 has no sft and names it in ``modes``."""
+    ranks = run_gloo(_hetero_worker, world_size=2, timeout=120)
+    for mode in MODES:
+        split = ranks[0][mode] + ranks[1][mode]
+        assert torch.allclose(split, hetero_whole_gradient(mode), rtol=1e-12, atol=1e-15), mode

@@ -34,12 +34,15 @@ def _count_size(mode: Normalize, num_groups: int) -> int:
 
 
 def _local_counts(plan: Plan, name: str, mode: Normalize, num_groups: int, dtype: torch.dtype) -> Tensor:
-    """This bin's additive counts of component ``name`` under ``mode`` (see :func:`_count_size`)."""
+    """This bin's additive counts of component ``name`` under ``mode`` (see :func:`_count_size`); a
+    bin counts its positions for ``position`` whether it has the component or not."""
+    if mode is Normalize.POSITION:
+        return torch.full((1,), float(plan.num_tokens), dtype=dtype, device=plan.device)
+    if name not in plan.members:
+        return torch.zeros(_count_size(mode, num_groups), dtype=dtype, device=plan.device)
     m = plan.members[name]
     if mode is Normalize.TOKEN:
         return m.sum(dtype=dtype).reshape(1)
-    if mode is Normalize.POSITION:
-        return torch.full((1,), float(plan.num_tokens), dtype=dtype, device=m.device)
     if mode in (Normalize.SEQUENCE_MEAN, Normalize.SEQUENCE_SUM):
         per_seq = segment_count(m, plan.layout.seq_ids, plan.num_seqs)  # [S]
         return (per_seq > 0).sum(dtype=dtype).reshape(1)
@@ -327,13 +330,7 @@ def count_denominators(
     sums_sizes = [obj.step_selector().num_sums for obj in selecting.values()]
     flat = torch.zeros(sum(sizes) + sum(sums_sizes), dtype=_F64, device=device)
     for plan in plans:
-        parts = []
-        for k in names:
-            mode = step_modes[k][0]
-            if k in plan.members:
-                parts.append(_local_counts(plan, k, mode, groups, _F64))
-            else:
-                parts.append(torch.zeros(_count_size(mode, groups), dtype=_F64, device=device))
+        parts = [_local_counts(plan, k, step_modes[k][0], groups, _F64) for k in names]
         parts += [_sums(plan, k, obj, device) for k, obj in selecting.items()]
         flat = flat + torch.cat(parts)
     if all_reduce:
