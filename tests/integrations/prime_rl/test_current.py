@@ -283,9 +283,12 @@ def test_icepop_drops_an_overflowing_ratio_without_nan():
     result.loss.backward()
     assert torch.equal(trn.grad, torch.stack([torch.tensor(0.0), -torch.exp(trn.detach()[1])]))
     assert result.metrics["is_masked"].item() == 0.5 and math.isinf(result.metrics["masked_mismatch_kl"].item())
-    # packloss's IcePop region multiplies the overflowing ratio by its zero mask: NaN
-    out = pg_loss(_one_sequence(trn.detach()).policy_inputs(), PolicyGradient(IcePop(0.2, 5.0), ratio="rollout"))
-    assert out.per_token.isnan().any()
+    # packloss's IcePop region (it compares exp(log r), not log r) drops the token too, with no NaN
+    trn = trn.detach().requires_grad_()
+    out = pg_loss(_one_sequence(trn).policy_inputs(), PolicyGradient(IcePop(0.2, 5.0), ratio="rollout"))
+    assert torch.equal(out.per_token.sum(), result.loss.detach())
+    (grad,) = torch.autograd.grad(out.per_token.sum(), trn)
+    assert torch.equal(grad, torch.stack([torch.tensor(0.0), -torch.exp(trn.detach()[1])]))
 
 
 def test_icepop_allows_a_single_ratio_band():

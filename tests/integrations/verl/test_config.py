@@ -13,7 +13,7 @@ import verl
 from omegaconf import OmegaConf
 from verl.protocol import DataProto
 from verl.trainer.config import RolloutCorrectionConfig
-from verl.trainer.ppo.core_algos import agg_loss
+from verl.trainer.ppo.core_algos import agg_loss, kl_penalty_forward
 from verl.trainer.ppo.rollout_corr_helper import (
     compute_rollout_correction_and_add_to_batch,
     compute_rollout_rejection_mask,
@@ -26,6 +26,7 @@ from packloss import (
 )
 from packloss.core.trust_regions import PPOClip
 from packloss.integrations.verl import LOSS_AGG_MODES, VERL_VERSION, from_verl, rejection_mask
+from packloss.integrations.verl.config import K3_CAP, k3_band
 from tests.integrations.verl.harness import (
     BYPASS_RS,
     EPS,
@@ -259,6 +260,20 @@ def test_low_var_kl_clamp_differs():
     cfg_no_kl = actor_config("vanilla", kl=None, entropy=0.0)
     _, _, gv_pg, _ = grads(cfg_no_kl, from_verl(cfg_no_kl), b)
     assert gv[t] == gv_pg[t] and gp[t] != gv[t]  # verl: the policy gradient only
+
+
+def test_low_var_kl_note_is_where_verls_own_clamp_stops_the_gradient():
+    """The band of ``from_verl``'s note: verl's ``kl_penalty_forward`` has a k3 gradient just inside
+    ``k3_band(10)`` and none just outside it (verl also clamps ``x`` to ±20 first)."""
+    low, high = k3_band(K3_CAP)
+    assert math.expm1(high) - high == pytest.approx(K3_CAP, rel=1e-14)
+    assert math.expm1(low) - low == pytest.approx(K3_CAP, rel=1e-14)
+    x = torch.tensor([high - 1e-6, high + 1e-6, low + 1e-6, low - 1e-6], dtype=F64)  # x = ref − log π
+    logprob = torch.zeros(4, dtype=F64, requires_grad=True)
+    (grad,) = torch.autograd.grad(kl_penalty_forward(logprob, x, "low_var_kl").sum(), logprob)
+    assert [g != 0 for g in grad.tolist()] == [True, False, True, False]
+    note = " ".join(from_verl(actor_config("vanilla", kl="low_var_kl", entropy=0.0)).notes)
+    assert f"> {high:.4f}" in note and f"{high:.4f}" == "2.6109"
 
 
 def test_seq_mean_eps_is_lost_to_float32():
