@@ -76,3 +76,28 @@ def test_merge_and_all_reduce_reject_bad_arguments():
         merge_metrics([({"x": torch.tensor(1.0)}, {})])
     with pytest.raises(ValueError, match="metrics is empty"):
         all_reduce_metrics({}, {})
+
+
+def _one_rank_fails(rank, world_size, what):
+    metrics = {"a": torch.tensor(1.0)}
+    if rank == 1:
+        metrics = {} if what == "empty" else {"a": torch.tensor([1.0, 2.0, 3.0])}  # per-sequence: [S]
+    counts = {k: torch.tensor(3.0) if v.dim() == 0 else torch.ones(3) for k, v in metrics.items()}
+    try:
+        all_reduce_metrics(metrics, counts)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "what, says", [("empty", "metrics is empty"), ("per-sequence", "metric 'a' is per-sequence (shape (3,))")]
+)
+def test_a_rank_whose_metrics_fail_their_checks_makes_every_rank_raise(what, says):
+    messages = run_gloo(_one_rank_fails, world_size=2, args=(what,), timeout=60)
+    assert messages[0] == messages[1] and says in messages[0] and "rank 1: ValueError" in messages[0], messages
+
+
+def test_per_sequence_metrics_are_refused():
+    with pytest.raises(ValueError, match="per-sequence"):
+        all_reduce_metrics({"a": torch.ones(3)}, {"a": torch.ones(3)})

@@ -513,3 +513,62 @@ def test_a_component_absent_from_a_rank_gets_the_step_denominator():
     for mode in MODES:
         split = ranks[0][mode] + ranks[1][mode]
         assert torch.allclose(split, hetero_whole_gradient(mode), rtol=1e-12, atol=1e-15), mode
+
+
+# ---------------------------------------------------------------------------------------------------
+# One rank's checks fail: every rank raises the same error, none waits
+# ---------------------------------------------------------------------------------------------------
+
+
+def _selecting_plan(num_tokens: int) -> Plan:
+    g = torch.Generator().manual_seed(num_tokens)
+    old = -torch.rand(num_tokens, generator=g, dtype=torch.float64) - 0.1
+    component = Component(PolicyGradient("clip_cov"), torch.ones(num_tokens, dtype=torch.bool))
+    return Plan((num_tokens,), {"pg": component}, old_logprobs=old, advantages=torch.randn(num_tokens, generator=g))
+
+
+def _grouped_plan(group_id: int) -> Plan:
+    component = Component(SFT(), torch.ones(3, dtype=torch.bool), None, "group_mean")
+    return Plan((3,), {"sft": component}, group_ids=[group_id])
+
+
+ONE_RANK_FAILS = {
+    # scenario: (what rank 0 counts, what rank 1 counts: (plans, count_denominators keywords)), rank 1's error
+    "group id >= num_groups": (([_grouped_plan], 0, {"num_groups": 2}), ([_grouped_plan], 5, {"num_groups": 2})),
+    "more tokens than max_rank_tokens": (
+        ([_selecting_plan], 4, {"max_rank_tokens": 8}),
+        ([_selecting_plan], 12, {"max_rank_tokens": 8}),
+    ),
+    "no max_rank_tokens": (([_selecting_plan], 4, {"max_rank_tokens": 8}), ([_selecting_plan], 4, {})),
+    "empty rank without modes=": (([_grouped_plan], 0, {"num_groups": 2}), ([], 0, {"num_groups": 2})),
+}
+ONE_RANK_FAILS_SAYS = {
+    "group id >= num_groups": "group id 5 >= num_groups=2",
+    "more tokens than max_rank_tokens": "12 tokens > max_rank_tokens=8",
+    "no max_rank_tokens": "needs max_rank_tokens=",
+    "empty rank without modes=": "modes= for a rank without any",
+}
+
+
+def _one_rank_fails_worker(rank: int, world_size: int) -> dict:
+    """Each scenario in turn; a rank that does not raise returns "no error" (the other then hangs:
+    run_gloo's timeout fails the test)."""
+    out = {}
+    for scenario, per_rank in ONE_RANK_FAILS.items():
+        builders, arg, keywords = per_rank[rank]
+        plans = [build(arg) for build in builders]
+        try:
+            count_denominators(plans, all_reduce=True, **keywords)
+            out[scenario] = "no error"
+        except ValueError as exc:
+            out[scenario] = str(exc)
+    return out
+
+
+def test_a_rank_whose_checks_fail_makes_every_rank_raise_the_same_error():
+    ranks = run_gloo(_one_rank_fails_worker, world_size=2, timeout=60)
+    for scenario, says in ONE_RANK_FAILS_SAYS.items():
+        messages = [r[scenario] for r in ranks]
+        assert messages[0] == messages[1], scenario
+        assert "rank 1: ValueError" in messages[0] and says in messages[0], (scenario, messages[0])
+        assert "rank 0:" not in messages[0], scenario

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from packloss.core.agreement import check_agreement
+from packloss.core.agreement import check_agreement, collective_device
 from packloss.core.dtypes import upcast
 from packloss.core.segments import segment_mean
 
@@ -69,8 +69,6 @@ def merge_metrics(parts: Iterable[object]) -> Metrics:
         _check_metrics(metrics, counts)
         for key, value in metrics.items():
             count = counts[key]
-            if value.dim() != 0:
-                raise ValueError(f"metric {key!r} is per-sequence (shape {tuple(value.shape)}); merge scalars only")
             reduce = _extreme(key)
             if reduce is None:
                 sums[key] = sums.get(key, 0) + value * count
@@ -99,6 +97,11 @@ def _check_metrics(metrics: object, counts: object) -> None:
         for kind, t in (("metrics", value), ("counts", counts[key])):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{kind}[{key!r}] must be a tensor, got {type(t).__name__}")
+        if value.dim() != 0:
+            raise ValueError(
+                f"metric {key!r} is per-sequence (shape {tuple(value.shape)}); merge scalars only (a per-sequence "
+                "metric belongs to its bin's sequences: compute the loss without per_sequence_metrics to merge)"
+            )
 
 
 def _extreme(key: str):
@@ -115,14 +118,22 @@ def all_reduce_metrics(
     """Token-weighted merge over the ranks of ``group`` with one ``all_reduce`` of a ``[2, K]`` tensor
     (plus one MIN and one MAX all-reduce when ``*_min`` / ``*_max`` metrics are present).
 
-    Every rank must pass the same metric names (in any order). With ``check`` (the default) a
-    2-number agreement check runs first (:func:`~packloss.core.agreement.check_agreement`): ranks with
-    different names raise the same ``ValueError`` instead of aborting or averaging different metrics.
+    Every rank must pass the same metric names (in any order), one number each (per-sequence metrics
+    are refused). With ``check`` (the default) a 3-number agreement check runs first
+    (:func:`~packloss.core.agreement.check_agreement`): ranks with different names, or a rank whose
+    metrics fail their checks, raise the same ``ValueError`` on every rank instead of aborting, hanging
+    or averaging different metrics.
     """
-    _check_metrics(metrics, counts)
+    try:
+        _check_metrics(metrics, counts)
+        if not metrics:
+            raise ValueError("metrics is empty: nothing to all-reduce")
+    except (TypeError, ValueError) as error:
+        if not (check and dist.is_initialized()):
+            raise
+        check_agreement("", "metric names", collective_device(group), group, problem=error)
+        raise  # check_agreement raised on every rank
     keys = sorted(metrics)
-    if not keys:
-        raise ValueError("metrics is empty: nothing to all-reduce")
     device = metrics[keys[0]].device
     if check:
         check_agreement("metrics " + ",".join(keys), "metric names", device, group)

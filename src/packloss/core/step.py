@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from packloss.core.agreement import check_agreement
+from packloss.core.agreement import check_agreement, collective_device
 from packloss.core.bin import Aggregation, Normalize, Objective, Plan, Selection
 from packloss.core.segments import broadcast, segment_count
 from packloss.core.trust_regions.base import StepSelector
@@ -276,6 +276,76 @@ def _step_modes(plans: Sequence[Plan], modes: Mapping[str, Normalize | str | Mod
     return out if modes is not None else seen
 
 
+@dataclass(frozen=True, eq=False)
+class _LocalCounts:
+    """What one rank counts before any collective: the step's modes, the components' names (sorted),
+    their count sizes, the selecting components, their sums' sizes and the flat float64 counts."""
+
+    modes: dict[str, Mode]
+    names: list[str]
+    sizes: list[int]
+    selecting: dict[str, Objective]
+    sums_sizes: list[int]
+    flat: Tensor
+    num_groups: int
+    device: torch.device | str
+
+    def description(self, max_rank_tokens: int | None) -> str:
+        """What every rank must agree on, as text."""
+        text = ";".join(f"{k}={self.modes[k][0].value}/{self.modes[k][1]}" for k in self.names)
+        text += "".join(f";{k}:{obj!r}" for k, obj in self.selecting.items())
+        text += f";max_rank_tokens={max_rank_tokens}" if self.selecting else ""
+        return f"components {text}; num_groups={self.num_groups}"
+
+
+def _count_local(
+    plans: Sequence[Plan],
+    modes: Mapping[str, Normalize | str | Mode] | None,
+    num_groups: int | None,
+    device: torch.device | str | None,
+    objectives: Mapping[str, object] | None,
+    max_rank_tokens: int | None,
+    across_ranks: bool,
+) -> _LocalCounts:
+    """This rank's checks and counts (:func:`count_denominators` before its collectives)."""
+    if isinstance(plans, Mapping) or not isinstance(plans, Sequence):
+        raise TypeError(f"plans must be a list of Plan, got {type(plans).__name__}")
+    for i, plan in enumerate(plans):
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plans[{i}] must be a Plan, got {type(plan).__name__}")
+    step_modes = _step_modes(plans, modes)
+    if not step_modes:
+        raise ValueError("no components to count: pass the rank's plans, or modes= for a rank without any")
+    if any(m is Normalize.GROUP_MEAN for m, _ in step_modes.values()):
+        if num_groups is None:
+            if across_ranks:
+                raise ValueError("group_mean across ranks needs num_groups= (the same on every rank)")
+            num_groups = max((p.num_groups for p in plans), default=0)
+        elif isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
+            raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
+        for i, plan in enumerate(plans):
+            if plan.num_groups > num_groups:
+                raise ValueError(f"plans[{i}] has group id {plan.num_groups - 1} >= num_groups={num_groups}")
+    groups = num_groups or 0
+    if device is None:
+        device = plans[0].device if plans else torch.device("cpu")
+    names = sorted(step_modes)
+    sizes = [_count_size(step_modes[k][0], groups) for k in names]
+    selecting = _step_selectors(plans, objectives)
+    for k in selecting:
+        if k not in step_modes:
+            raise ValueError(f"objectives[{k!r}] is not a component of the step (components: {names})")
+    if selecting and across_ranks:
+        _check_max_rank_tokens(plans, max_rank_tokens)
+    sums_sizes = [obj.step_selector().num_sums for obj in selecting.values()]
+    flat = torch.zeros(sum(sizes) + sum(sums_sizes), dtype=_F64, device=device)
+    for plan in plans:
+        parts = [_local_counts(plan, k, step_modes[k][0], groups, _F64) for k in names]
+        parts += [_sums(plan, k, obj, device) for k, obj in selecting.items()]
+        flat = flat + torch.cat(parts)
+    return _LocalCounts(step_modes, names, sizes, selecting, sums_sizes, flat, groups, device)
+
+
 def count_denominators(
     plans: Sequence[Plan],
     *,
@@ -295,60 +365,33 @@ def count_denominators(
     ``(Normalize.CONSTANT, C)``), ``device`` and, for selecting components, ``objectives={name:
     loss}``; it still joins the collectives. Every rank must have the same components and, for
     ``group_mean``, the same ``num_groups`` (required with ``all_reduce``; locally it defaults to the
-    largest group id + 1). With ``all_reduce`` and ``check``, a 2-number agreement check runs first
-    (``docs/design.md``): ranks that disagree raise the same ``ValueError``; it is the one host read.
-    A step-wide selection across ranks takes one more collective and needs ``max_rank_tokens`` (at
-    least the tokens any rank's plans hold, the same on every rank).
+    largest group id + 1). With ``all_reduce`` and ``check``, a 3-number agreement check runs first
+    (``docs/design.md``): ranks that disagree, or a rank whose own checks fail, raise the same
+    ``ValueError`` on every rank; it is the one host read. A step-wide selection across ranks takes
+    one more collective and needs ``max_rank_tokens`` (at least the tokens any rank's plans hold, the
+    same on every rank).
     """
-    if isinstance(plans, Mapping) or not isinstance(plans, Sequence):
-        raise TypeError(f"plans must be a list of Plan, got {type(plans).__name__}")
-    for i, plan in enumerate(plans):
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plans[{i}] must be a Plan, got {type(plan).__name__}")
-    step_modes = _step_modes(plans, modes)
-    if not step_modes:
-        raise ValueError("no components to count: pass the rank's plans, or modes= for a rank without any")
-    if any(m is Normalize.GROUP_MEAN for m, _ in step_modes.values()):
-        if num_groups is None:
-            if all_reduce:
-                raise ValueError("group_mean across ranks needs num_groups= (the same on every rank)")
-            num_groups = max((p.num_groups for p in plans), default=0)
-        elif isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
-            raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
-        for i, plan in enumerate(plans):
-            if plan.num_groups > num_groups:
-                raise ValueError(f"plans[{i}] has group id {plan.num_groups - 1} >= num_groups={num_groups}")
-    groups = num_groups or 0
-    if device is None:
-        device = plans[0].device if plans else torch.device("cpu")
-    names = sorted(step_modes)
-    sizes = [_count_size(step_modes[k][0], groups) for k in names]
-    selecting = _step_selectors(plans, objectives)
-    for k in selecting:
-        if k not in step_modes:
-            raise ValueError(f"objectives[{k!r}] is not a component of the step (components: {names})")
-    sums_sizes = [obj.step_selector().num_sums for obj in selecting.values()]
-    flat = torch.zeros(sum(sizes) + sum(sums_sizes), dtype=_F64, device=device)
-    for plan in plans:
-        parts = [_local_counts(plan, k, step_modes[k][0], groups, _F64) for k in names]
-        parts += [_sums(plan, k, obj, device) for k, obj in selecting.items()]
-        flat = flat + torch.cat(parts)
+    agree = all_reduce and check
+    try:
+        local = _count_local(plans, modes, num_groups, device, objectives, max_rank_tokens, all_reduce)
+    except (TypeError, ValueError) as error:
+        if not (agree and dist.is_initialized()):
+            raise
+        check_agreement("", "step components or modes", collective_device(group, device), group, problem=error)
+        raise  # check_agreement raised on every rank: this line is never reached
     if all_reduce:
-        if selecting:  # before any collective: a rank that raises later would leave the others waiting
-            _check_max_rank_tokens(plans, max_rank_tokens)
-        if check:
-            description = ";".join(f"{k}={step_modes[k][0].value}/{step_modes[k][1]}" for k in names)
-            description += "".join(f";{k}:{obj!r}" for k, obj in selecting.items())
-            description += f";max_rank_tokens={max_rank_tokens}" if selecting else ""
-            check_agreement(f"components {description}; num_groups={groups}", "step components or modes", device, group)
-        dist.all_reduce(flat, group=group)
-    pieces = torch.split(flat, sizes + sums_sizes)
+        if agree:
+            check_agreement(local.description(max_rank_tokens), "step components or modes", local.device, group)
+        dist.all_reduce(local.flat, group=group)
+    pieces = torch.split(local.flat, local.sizes + local.sums_sizes)
+    names = local.names
     counts = dict(zip(names, pieces[: len(names)], strict=True))
-    sums = dict(zip(selecting, pieces[len(names) :], strict=True))
+    sums = dict(zip(local.selecting, pieces[len(names) :], strict=True))
     selections = _select(
-        plans, selecting, sums, gather=all_reduce, group=group, max_rank_tokens=max_rank_tokens, device=device
-    )
-    return StepDenominators(modes=step_modes, counts=counts, num_groups=groups, selections=selections)
+        plans, local.selecting, sums, gather=all_reduce, group=group, max_rank_tokens=max_rank_tokens,
+        device=local.device,
+    )  # fmt: skip
+    return StepDenominators(modes=local.modes, counts=counts, num_groups=local.num_groups, selections=selections)
 
 
 def aggregation(plan: Plan, name: str, denominators: StepDenominators | None, dtype: torch.dtype) -> Aggregation:
