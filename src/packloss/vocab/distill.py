@@ -9,11 +9,11 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from packloss.core.dtypes import compute_dtype
 from packloss.vocab import core as chunks
 from packloss.vocab.core import ChunkRun, DivergenceSpec, Impl, TeacherFormat, VocabParallel
+from packloss.vocab.first_order import first_order
 
 __all__ = ["divergence", "reverse_kl", "forward_kl", "jsd", "soft_cross_entropy"]
 
@@ -49,7 +49,7 @@ class _PerToken(torch.autograd.Function):
         return loss
 
     @staticmethod
-    @once_differentiable  # first order only: a second backward raises instead of going silently wrong
+    @first_order("divergence")
     def backward(ctx, grad_output: Tensor):
         grad, mask = ctx.saved_tensors
         g = grad_output if mask is None else torch.where(mask, grad_output, 0.0)  # [N]; no 0 · NaN rows

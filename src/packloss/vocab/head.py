@@ -10,7 +10,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from packloss.core.dtypes import compute_dtype
 from packloss.vocab.core import (
@@ -24,6 +23,7 @@ from packloss.vocab.core import (
     gradient_buffer,
     mm_into,
 )
+from packloss.vocab.first_order import first_order
 
 __all__ = ["linear_logprobs", "DEFAULT_VOCAB_CHUNK_SIZE", "check_head", "check_tokens"]
 
@@ -299,7 +299,7 @@ class _LinearLogprobs(torch.autograd.Function):
         return logprobs, ent
 
     @staticmethod
-    @once_differentiable  # first order only: a second backward raises instead of going silently wrong
+    @first_order("linear_logprobs")
     def backward(ctx, g_lp, g_ent):
         *saved, valid = ctx.saved_tensors
         hidden, weight, cfg = saved[0], saved[1], ctx.cfg

@@ -17,7 +17,6 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from packloss.core.dtypes import compute_dtype
 from packloss.vocab.core import (
@@ -36,6 +35,7 @@ from packloss.vocab.core import (
     mm_into,
     resolve_impl,
 )
+from packloss.vocab.first_order import first_order
 from packloss.vocab.head import check_head, check_tokens
 
 __all__ = ["linear_distill"]
@@ -91,7 +91,7 @@ class _LinearDistill(torch.autograd.Function):
         return (coef * per_token).sum(), per_token
 
     @staticmethod
-    @once_differentiable  # first order only: a second backward raises instead of going silently wrong
+    @first_order("linear_distill")
     def backward(ctx, grad_loss, grad_per_token):
         d_h, d_w = ctx.saved_tensors
         h_dtype, w_dtype = ctx.dtypes
