@@ -154,3 +154,10 @@ def test_tensor_constant_is_checked_by_deep_validation():
     Plan(LENS, {"sft": Component(SFT(), mask=s["mask"], normalize="constant", constant=torch.tensor(3.0))}).validate(
         deep=True
     )
+
+
+def test_outputs_head_weight_on_the_meta_device_is_refused_by_name():
+    plan = Plan((3,), {"sft": Component(SFT(), torch.ones(3, dtype=torch.bool))})
+    outputs = Outputs(hidden=torch.randn(3, 2), head_weight=torch.empty(5, 2, device="meta"))
+    with pytest.raises(ValueError, match="outputs.head_weight is on the meta device"):
+        outputs.check(plan)

@@ -4,6 +4,7 @@ rest, and names the argument in the message."""
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -82,3 +83,15 @@ def test_tensor_errors_name_the_argument(value, kwargs, error, message):
     with pytest.raises(error) as info:
         checks.tensor("plan.x", value, **kwargs)
     assert str(info.value) == message
+
+
+def test_same_device_names_the_tensor_on_another_device_and_refuses_meta():
+    cpu = torch.zeros(2)
+    checks.same_device("hidden", cpu.device, labels=cpu, mask=None)
+    elsewhere = SimpleNamespace(device=torch.device("cuda", 1))  # same_device reads .device only
+    with pytest.raises(ValueError, match=r"labels is on cuda:1 but hidden is on cpu"):
+        checks.same_device("hidden", cpu.device, labels=elsewhere)
+    with pytest.raises(ValueError, match=r"weight is on the meta device \(deferred initialisation\)"):
+        checks.same_device("hidden", cpu.device, weight=torch.empty(2, device="meta"))
+    with pytest.raises(ValueError, match=r"hidden is on the meta device"):
+        checks.same_device("hidden", torch.device("meta"), weight=cpu)

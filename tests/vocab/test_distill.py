@@ -494,3 +494,12 @@ PARALLEL_RUNS = [
 
 def test_vocab_parallel_matches_single_process():
     check_vocab_parallel(PARALLEL_RUNS)
+
+
+@pytest.mark.parametrize("where", ["teacher_logits", "loss_mask"])
+def test_a_tensor_on_another_device_is_refused_by_name(where):
+    s, t, m = torch.randn(4, 8), torch.randn(4, 8), torch.ones(4, dtype=torch.bool)
+    args = {"teacher_logits": t, "loss_mask": m}
+    args[where] = torch.empty_like(args[where], device="meta")
+    with pytest.raises(ValueError, match=f"{where} is on the meta device"):
+        reverse_kl(s, args["teacher_logits"], args["loss_mask"])

@@ -338,3 +338,12 @@ PARALLEL_RUNS = [
 
 def test_vocab_parallel_matches_single_process():
     check_vocab_parallel(PARALLEL_RUNS)
+
+
+@pytest.mark.parametrize("where", ["weight", "hidden", "labels"])
+def test_a_meta_tensor_is_refused_by_name(where):
+    """A deferred-init (meta) LM head used to give finite garbage."""
+    args = {"hidden": torch.randn(4, 3), "weight": torch.randn(8, 3), "labels": torch.zeros(4, dtype=torch.long)}
+    args[where] = torch.empty_like(args[where], device="meta")
+    with pytest.raises(ValueError, match=f"{where} is on the meta device"):
+        linear_logprobs(args["hidden"], args["weight"], args["labels"])

@@ -358,3 +358,25 @@ PARALLEL_RUNS = [
 
 def test_vocab_parallel_matches_single_process():
     check_vocab_parallel(PARALLEL_RUNS)
+
+
+@pytest.mark.parametrize("where", ["weight", "teacher_logits", "teacher_hidden", "loss_mask", "coefficients"])
+def test_a_tensor_on_another_device_is_refused_by_name(where):
+    """A deferred-init (meta) head or teacher used to give finite garbage or a torch-internal error."""
+    args = {
+        "weight": torch.randn(8, 3),
+        "teacher_logits": torch.randn(4, 8),
+        "teacher_hidden": torch.randn(4, 2),
+        "loss_mask": torch.ones(4, dtype=torch.bool),
+        "coefficients": torch.ones(4),
+    }
+    args[where] = torch.empty_like(args[where], device="meta")
+    teacher = (
+        {"teacher_hidden": args["teacher_hidden"], "teacher_weight": torch.randn(8, 2)}
+        if where == "teacher_hidden"
+        else {"teacher_logits": args["teacher_logits"]}
+    )
+    with pytest.raises(ValueError, match=f"{where} is on the meta device"):
+        linear_distill(
+            torch.randn(4, 3), args["weight"], **teacher, loss_mask=args["loss_mask"], coefficients=args["coefficients"]
+        )

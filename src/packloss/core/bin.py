@@ -361,6 +361,7 @@ class Outputs:
                 raise ValueError(f"outputs.{name} must have shape {want} with N={n}, got {list(value.shape)}")
             if value.device != plan.device:
                 raise ValueError(f"outputs.{name} is on {value.device} but the plan is on {plan.device}")
+        checks.same_device("the plan", plan.device, **{"outputs.head_weight": self.head_weight})
 
     def require(self, name: str, component: str) -> Tensor:
         """The output ``name``, or a ``ValueError`` naming the component that needs it."""

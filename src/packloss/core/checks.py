@@ -84,3 +84,16 @@ def tensor(
     if device is not None and value.device != device:
         raise ValueError(f"{name} is on {value.device}, expected {device}")
     return value
+
+
+def same_device(reference: str, device: torch.device, **tensors: Tensor | None) -> None:
+    """Raise ``ValueError`` unless every given tensor is on ``device``, the device of ``reference``;
+    a tensor on the meta device (deferred initialisation) has no values and is refused by name."""
+    for name, dev in ((reference, device), *((k, t.device) for k, t in tensors.items() if t is not None)):
+        if dev.type == "meta":
+            raise ValueError(f"{name} is on the meta device (deferred initialisation): materialise it first")
+    for name, t in tensors.items():
+        if t is not None and t.device != device:
+            raise ValueError(
+                f"{name} is on {t.device} but {reference} is on {device}: the tensors of one loss share a device"
+            )

@@ -10,6 +10,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from packloss.core import checks
 from packloss.core.dtypes import compute_dtype
 from packloss.vocab import core as chunks
 from packloss.vocab.core import ChunkRun, DivergenceSpec, Impl, TeacherFormat, VocabParallel
@@ -71,16 +72,18 @@ def _check_logits(student: object, teacher: object) -> None:
         )
     if student.shape[1] == 0:
         raise ValueError(f"student_logits must have a vocabulary of V >= 1 entries, got {tuple(student.shape)}")
+    checks.same_device("student_logits", student.device, teacher_logits=teacher)
 
 
-def _check_mask(loss_mask: object, n: int) -> Tensor | None:
-    """``loss_mask`` as an ``[N]`` bool tensor (None stays None: every token is a member)."""
+def _check_mask(loss_mask: object, n: int, device: torch.device) -> Tensor | None:
+    """``loss_mask`` as an ``[N]`` bool tensor on ``device`` (None stays None: every token is a member)."""
     if loss_mask is None:
         return None
     if not isinstance(loss_mask, Tensor):
         raise TypeError(f"loss_mask must be a torch.Tensor or None, got {type(loss_mask).__name__}")
     if loss_mask.shape != (n,):
         raise ValueError(f"loss_mask must be [N] = [{n}], got {tuple(loss_mask.shape)}")
+    checks.same_device("student_logits", device, loss_mask=loss_mask)
     return loss_mask.to(torch.bool)
 
 
@@ -138,8 +141,8 @@ def divergence(
     spec = DivergenceSpec(kind, beta, temperature, teacher_temperature, teacher_format)
     _check_logits(student_logits, teacher_logits)
     n, v = student_logits.shape
-    mask = _check_mask(loss_mask, n)
     device = student_logits.device
+    mask = _check_mask(loss_mask, n, device)
     run = ChunkRun(
         spec,
         chunks.chunk_rows(v, device, chunk_size),

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from packloss.core import checks
 from packloss.core.dtypes import compute_dtype
 from packloss.vocab.core import (
     HEAD_BLOCK,
@@ -37,11 +38,15 @@ DEFAULT_VOCAB_CHUNK_SIZE: dict[str, int] = {"cpu": 1024, "accelerator": 8192}
 # validation
 
 
-def check_head(hidden: object, weight: object) -> None:
-    """Raise a clear error unless ``hidden [N, H]`` and ``weight [V, H]`` are floating tensors."""
+def check_head(hidden: object, weight: object, prefix: str = "") -> None:
+    """Raise a clear error unless ``hidden [N, H]`` and ``weight [V, H]`` are floating tensors on one
+    device; errors name them ``{prefix}hidden`` / ``{prefix}weight`` (``"teacher_"`` for a teacher head)."""
+    h_name, w_name = f"{prefix}hidden", f"{prefix}weight"
     if isinstance(weight, torch.nn.Module):
-        raise TypeError("weight must be a Tensor [V, H], got a Module; pass its .weight (bias-free output layers only)")
-    for name, t in (("hidden", hidden), ("weight", weight)):
+        raise TypeError(
+            f"{w_name} must be a Tensor [V, H], got a Module; pass its .weight (bias-free output layers only)"
+        )
+    for name, t in ((h_name, hidden), (w_name, weight)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 2:
@@ -50,17 +55,21 @@ def check_head(hidden: object, weight: object) -> None:
             raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
     if hidden.shape[1] != weight.shape[1]:
         shapes = f"{tuple(hidden.shape)} vs {tuple(weight.shape)}"
-        raise ValueError(f"hidden [N, H] and weight [V, H] disagree on H: {shapes}")
+        raise ValueError(f"{h_name} [N, H] and {w_name} [V, H] disagree on H: {shapes}")
     if weight.shape[0] == 0:
-        raise ValueError(f"weight must have V >= 1 vocabulary rows, got shape {tuple(weight.shape)}")
+        raise ValueError(f"{w_name} must have V >= 1 vocabulary rows, got shape {tuple(weight.shape)}")
+    checks.same_device(h_name, hidden.device, **{w_name: weight})
 
 
-def check_tokens(name: str, t: object, n: int, kind: str) -> None:
-    """``t`` must be an ``[N]`` tensor of ``kind``: ``"integer"``, ``"floating"`` or ``"any"``."""
+def check_tokens(name: str, t: object, n: int, kind: str, hidden: Tensor | None = None) -> None:
+    """``t`` must be an ``[N]`` tensor of ``kind``: ``"integer"``, ``"floating"`` or ``"any"``, on the
+    device of ``hidden`` when given."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.shape != (n,):
         raise ValueError(f"{name} must have shape [N] = ({n},), got {tuple(t.shape)}")
+    if hidden is not None:
+        checks.same_device("hidden", hidden.device, **{name: t})
     if kind == "integer" and (t.is_floating_point() or t.is_complex() or t.dtype == torch.bool):
         raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
     if kind == "floating" and not t.is_floating_point():
@@ -362,7 +371,7 @@ def linear_logprobs(
     """
     check_head(hidden, weight)
     n, v_local = hidden.shape[0], weight.shape[0]
-    check_tokens("labels", labels, n, "integer")
+    check_tokens("labels", labels, n, "integer", hidden)
     if vocab_chunk_size is None:
         vocab_chunk_size = DEFAULT_VOCAB_CHUNK_SIZE["cpu" if hidden.device.type == "cpu" else "accelerator"]
     check_positive_int("vocab_chunk_size", vocab_chunk_size)

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from packloss.core import checks
 from packloss.core.dtypes import compute_dtype
 from packloss.vocab.core import (
     MATMUL,
@@ -100,7 +101,7 @@ class _LinearDistill(torch.autograd.Function):
 
 def _teacher_blocks(
     logits: Tensor | None, hidden: Tensor | None, weight: Tensor | None, fmt: TeacherFormat, n: int, v: int,
-    cdt: torch.dtype,
+    cdt: torch.dtype, device: torch.device,
 ) -> _TeacherBlock:  # fmt: skip
     """A function ``(t0, t1) -> [C, V_local]`` teacher block in ``cdt``, from logits or a teacher head."""
     if logits is not None:
@@ -109,13 +110,15 @@ def _teacher_blocks(
         if not isinstance(logits, Tensor) or logits.shape != (n, v):
             shape = tuple(logits.shape) if isinstance(logits, Tensor) else type(logits).__name__
             raise ValueError(f"teacher_logits must be [N, V_local] = {(n, v)}, got {shape}")
+        checks.same_device("hidden", device, teacher_logits=logits)
         logits = logits.detach()
         return lambda t0, t1: logits[t0:t1].to(cdt)  # [C, V_local]
     if hidden is None or weight is None:
         raise ValueError("give teacher_logits, or both teacher_hidden and teacher_weight")
     if fmt != "logits":
         raise ValueError(f"teacher_format applies to teacher_logits (a teacher head gives logits), got {fmt!r}")
-    check_head(hidden, weight)
+    check_head(hidden, weight, prefix="teacher_")
+    checks.same_device("hidden", device, teacher_hidden=hidden)
     if hidden.shape[0] != n or weight.shape[0] != v:
         shapes = f"{tuple(hidden.shape)} and {tuple(weight.shape)}"
         raise ValueError(f"teacher_hidden [N, H_t] and teacher_weight [V_local, H_t] need N={n}, V_local={v}: {shapes}")
@@ -123,11 +126,11 @@ def _teacher_blocks(
     return lambda t0, t1: hidden[t0:t1].to(cdt) @ weight.T  # [C, V_local]
 
 
-def _coefficients(coefficients: Tensor | None, mask: Tensor | None, n: int, cdt: torch.dtype, device: torch.device):
+def _coefficients(coefficients: Tensor | None, mask: Tensor | None, n: int, cdt: torch.dtype, hidden: Tensor):
     """``c [N]`` in ``cdt``: the given coefficients (detached) or 1, and exactly 0 off the members."""
     if coefficients is None:
-        return torch.ones(n, dtype=cdt, device=device) if mask is None else mask.to(cdt)
-    check_tokens("coefficients", coefficients, n, "floating")
+        return torch.ones(n, dtype=cdt, device=hidden.device) if mask is None else mask.to(cdt)
+    check_tokens("coefficients", coefficients, n, "floating", hidden)
     c = coefficients.detach().to(cdt)
     return c if mask is None else torch.where(mask, c, 0.0)
 
@@ -181,11 +184,13 @@ def linear_distill(
     n, v_local = hidden.shape[0], weight.shape[0]
     spec = DivergenceSpec(kind, beta, temperature, teacher_temperature, teacher_format)
     cdt = compute_dtype(hidden.dtype, weight.dtype)
-    teacher_block = _teacher_blocks(teacher_logits, teacher_hidden, teacher_weight, teacher_format, n, v_local, cdt)
+    teacher_block = _teacher_blocks(
+        teacher_logits, teacher_hidden, teacher_weight, teacher_format, n, v_local, cdt, hidden.device
+    )
     if loss_mask is not None:
-        check_tokens("loss_mask", loss_mask, n, "any")
+        check_tokens("loss_mask", loss_mask, n, "any", hidden)
         loss_mask = loss_mask.to(torch.bool)
-    coef = _coefficients(coefficients, loss_mask, n, cdt, hidden.device)
+    coef = _coefficients(coefficients, loss_mask, n, cdt, hidden)
     rows = chunk_rows(v_local, hidden.device, chunk_size, budget=MATMUL)
     run = ChunkRun(spec, rows, resolve_impl(impl, hidden.device), check_parallel(parallel))
     return _LinearDistill.apply(hidden, weight, teacher_block, loss_mask, coef, run)
