@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from packloss.integrations.common.config import ConfigReader
+from packloss.integrations.common.config import ConfigReader, option_names
 
 omegaconf = pytest.importorskip("omegaconf")
 
@@ -107,3 +107,16 @@ def test_declared_options_of_classes_that_define_them_on_the_class():
     assert ConfigReader(Plain(), "x").get("clip_ratio") == 0.2
     assert ConfigReader((1, 2), "x").declared() is None  # no __dict__: it cannot tell
     assert not ConfigReader((1, 2), "x").has("a")
+
+
+def test_option_names_renames_the_fields_an_error_names_and_keeps_its_type():
+    names = {"PPOClip.dual_clip_c": "actor_config.clip_ratio_c"}
+    with pytest.raises(ValueError, match=r"^actor_config\.clip_ratio_c must be > 1, got 0\.5$"):
+        with option_names(names):
+            raise ValueError("PPOClip.dual_clip_c must be > 1, got 0.5")
+    with pytest.raises(TypeError, match=r"^actor_config\.clip_ratio_c must be a number"):
+        with option_names(names):
+            raise TypeError("PPOClip.dual_clip_c must be a number")
+    with pytest.raises(ValueError, match=r"^SAPO\.tau_pos must be > 0$"):  # not in the table: unchanged
+        with option_names(names):
+            raise ValueError("SAPO.tau_pos must be > 0")

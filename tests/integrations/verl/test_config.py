@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -490,7 +491,7 @@ def test_the_recipe_parts():
         ),
         (lambda: from_verl({"policy_loss": {"loss_mode": "bypass_mode"}}), ValueError, "rollout_correction"),
         (lambda: from_verl({"entropy_coeff": float("nan")}), ValueError, "entropy_coeff must be finite"),
-        (lambda: from_verl({"clip_ratio_c": 1.0}), ValueError, "dual_clip_c must be > 1"),
+        (lambda: from_verl({"clip_ratio_c": 1.0}), ValueError, r"^actor_config\.clip_ratio_c must be > 1"),
         (lambda: from_verl(None), TypeError, "actor_config must be"),
         (lambda: from_verl({"kl_loss_coef": "0.1", "use_kl_loss": True}), TypeError, "kl_loss_coef must be a number"),
     ],
@@ -498,6 +499,27 @@ def test_the_recipe_parts():
 def test_unmappable_settings_raise_naming_the_option(build, error, match):
     with pytest.raises(error, match=match):
         build()
+
+
+@pytest.mark.parametrize(
+    "actor, rollout_correction, option",
+    [
+        ({"clip_ratio_c": 0.5}, None, "actor_config.clip_ratio_c"),
+        ({"clip_ratio_low": 1.5}, None, "actor_config.clip_ratio_low (or clip_ratio)"),
+        ({"clip_ratio": -0.1}, None, "actor_config.clip_ratio_low (or clip_ratio)"),
+        ({"policy_loss": {"loss_mode": "sapo"}, "tau_pos": 0}, None, "actor_config.tau_pos"),
+        ({"policy_loss": {"loss_mode": "kl_cov", "kl_cov_ratio": 2}}, None, "actor_config.policy_loss.kl_cov_ratio"),
+        ({"policy_loss": {"loss_mode": "dppo_tv"}, "clip_ratio_c": -1}, None, "actor_config.clip_ratio_c"),
+        ({}, {"rollout_is": "token", "rollout_is_threshold": -1.0}, "rollout_correction.rollout_is_threshold"),
+    ],
+)
+def test_a_bad_setting_is_named_as_verl_names_it(actor, rollout_correction, option):
+    """Not as the packloss field it becomes (``PPOClip.dual_clip_c``, ``SAPO.tau_pos``, ...)."""
+    with pytest.raises(ValueError) as raised:
+        from_verl(actor, rollout_correction=rollout_correction)
+    message = str(raised.value)
+    assert message.startswith(option), message
+    assert not re.search(r"\b(PPOClip|GSPO|SAPO|KLCov|ClipCov|DPPOTV|RolloutCorrection)\.", message), message
 
 
 def test_unmapped_corrections_raise():

@@ -4,16 +4,32 @@ user wrote it (``actor_config.clip_ratio_c``), never a packloss field."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Collection, Mapping
+import re
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any
 
 from packloss.core import checks
 
-__all__ = ["ConfigReader", "MISSING"]
+__all__ = ["ConfigReader", "MISSING", "option_names"]
 
 MISSING: Any = object()
 """The marker of an option the config does not set (and that has no default)."""
+_FIELD = re.compile(r"\b[A-Z]\w*\.\w+\b")  # how core errors name a field: PPOClip.dual_clip_c
+
+
+@contextlib.contextmanager
+def option_names(names: Mapping[str, str]) -> Iterator[None]:
+    """Within it, an error that names a packloss field (``PPOClip.dual_clip_c``) is raised again, of the
+    same type, naming the peer's option instead (``names["PPOClip.dual_clip_c"]``)."""
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        message = _FIELD.sub(lambda m: names.get(m.group(0), m.group(0)), str(error))
+        if message == str(error):
+            raise
+        raise type(error)(message) from error
 
 
 class ConfigReader:

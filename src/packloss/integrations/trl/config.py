@@ -142,7 +142,7 @@ def _trust_region(c: ConfigReader, loss_type: str, level: str, correction: Rollo
             raise ValueError(f"GRPOConfig.epsilon_high (CISPO's cap) must be > 0, got {eps_high}")
         return SequenceLevel(CISPOCap(eps_high)) if sequence else CISPOCap(eps_high)
     if loss_type == "sapo":
-        region = SAPO(tau_pos=c.number("sapo_temperature_pos"), tau_neg=c.number("sapo_temperature_neg"))
+        region = SAPO(tau_pos=c.positive("sapo_temperature_pos"), tau_neg=c.positive("sapo_temperature_neg"))
         return SequenceLevel(region) if sequence else region
     if not 0 <= eps < 1 or not eps_high >= 0:
         raise ValueError(f"GRPOConfig.epsilon must be in [0, 1) and epsilon_high >= 0, got {eps}, {eps_high}")

@@ -30,7 +30,7 @@ from packloss.core.trust_regions import (
     PPOClip,
     TrustRegion,
 )
-from packloss.integrations.common.config import ConfigReader
+from packloss.integrations.common.config import ConfigReader, option_names
 from packloss.integrations.verl.rejection import rs_thresholds
 
 __all__ = ["VERL_VERSION", "LOSS_AGG_MODES", "LOSS_MODES", "KL_TYPES", "KL_UNMAPPED", "from_verl"]
@@ -58,6 +58,28 @@ LOSS_TYPES = ("ppo_clip", "reinforce")
 """``rollout_correction.loss_type`` of bypass mode."""
 K3_CAP = 10.0
 """verl clamps ``low_var_kl`` / ``k3`` to ``≤ 10``."""
+
+_LOW, _HIGH = "clip_ratio_low (or clip_ratio)", "clip_ratio_high (or clip_ratio)"
+_CLIPS = {"clip_low": _LOW, "clip_high": _HIGH, "low": _LOW, "high": _HIGH, "dual_clip_c": "clip_ratio_c",
+          "ratio_cap": "clip_ratio_c"}  # fmt: skip
+OPTION_NAMES = {
+    **{
+        f"{region}.{field}": f"actor_config.{option}"
+        for region in ("PPOClip", "GSPO", "CISPO", "GMPO", "ClipCov", "DPPOTV", "DPPOKL")
+        for field, option in _CLIPS.items()
+    },
+    **{f"SAPO.{tau}": f"actor_config.{tau}" for tau in ("tau_pos", "tau_neg")},
+    **{
+        f"{region}.{field}": f"actor_config.policy_loss.{field}"
+        for region, fields in (
+            ("ClipCov", ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub")),
+            ("KLCov", ("kl_cov_ratio", "ppo_kl_coef")),
+        )
+        for field in fields
+    },
+    **{f"RolloutCorrection.{bound}": "rollout_correction.rollout_is_threshold" for bound in ("low", "high")},
+}
+"""packloss's fields as the verl options they come from, for errors (:func:`option_names`)."""
 
 
 def k3_band(u: float) -> tuple[float, float]:
@@ -354,6 +376,13 @@ def from_verl(
     Raises ``NotImplementedError`` naming an option packloss cannot express, ``ValueError`` /
     ``TypeError`` naming a setting verl would reject (or a missing ``G`` / ``T``).
     """
+    with option_names(OPTION_NAMES):
+        return _from_verl(actor_config, rollout_correction, global_batch_size, response_length)
+
+
+def _from_verl(
+    actor_config: Any, rollout_correction: Any, global_batch_size: int | None, response_length: int | None
+) -> Recipe:
     c = actor_config if isinstance(actor_config, ConfigReader) else ConfigReader(actor_config, "actor_config")
     p = c.section("policy_loss")
     mode = p.get("loss_mode", "vanilla")
