@@ -66,3 +66,11 @@ def test_rejects_bad_input():
         group_advantages(torch.rand(3), torch.zeros(3, dtype=torch.int32), 1)
     with pytest.raises(ValueError):
         group_advantages(torch.rand(3), torch.zeros(3, dtype=torch.long), 0)
+
+
+@pytest.mark.parametrize("ids", [[0, 1, 5], [0, -1, 1]])
+def test_check_ids_names_an_id_outside_the_groups(ids):
+    rewards, group_ids = torch.tensor([1.0, 2.0, 3.0]), torch.tensor(ids)
+    with pytest.raises(ValueError, match=r"group_ids must lie in \[0, num_groups=2\)"):
+        group_advantages(rewards, group_ids, 2, check_ids=True)
+    assert group_advantages(rewards, torch.tensor([0, 1, 1]), 2, check_ids=True).shape == (3,)

@@ -62,3 +62,9 @@ def test_layout_to_padded():
     assert attention.tolist() == [[True, True, False], [True, True, True]]
     with pytest.raises(ValueError, match="stream must have shape"):
         layout.to_padded(torch.arange(4.0))
+
+
+def test_unpack_of_the_wrong_length_names_the_layout_size():
+    layout = PaddedLayout.from_attention_mask(torch.tensor([[1, 1, 0], [1, 0, 0]]).bool())
+    with pytest.raises(ValueError, match=r"x must be \[N, \.\.\.\] with N=3"):
+        layout.unpack(torch.zeros(7))

@@ -572,3 +572,9 @@ def test_a_rank_whose_checks_fail_makes_every_rank_raise_the_same_error():
         assert messages[0] == messages[1], scenario
         assert "rank 1: ValueError" in messages[0] and says in messages[0], (scenario, messages[0])
         assert "rank 0:" not in messages[0], scenario
+
+
+def test_the_denominator_of_an_unknown_component_names_the_components():
+    plan = Plan((3,), {"sft": Component(SFT(), torch.ones(3, dtype=torch.bool))})
+    with pytest.raises(ValueError, match=r"name 'typo' is not a component of these denominators: \['sft'\]"):
+        count_denominators([plan]).denominator("typo")

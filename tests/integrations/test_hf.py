@@ -146,3 +146,14 @@ def test_non_positive_chunk_sizes_raise(bad: int) -> None:
     with pytest.raises(ValueError, match="vocab_chunk_size"):
         patch_causal_lm(model, vocab_chunk_size=bad)
     assert not hasattr(model, "_packloss_original_forward")
+
+
+def test_check_labels_reaches_the_head_through_the_patch(model):
+    """A label outside the vocabulary used to get −logZ silently: the opt-in check is reachable."""
+    input_ids, _, _ = _batch()
+    labels = next_token_labels(input_ids)
+    labels[0, 0] = model.lm_head.weight.shape[0]  # one past the vocabulary
+    patch_causal_lm(model)
+    with pytest.raises(ValueError, match="labels"):
+        model(input_ids, labels=labels, check_labels=True)
+    assert torch.isfinite(model(input_ids, labels=labels).logprobs).all()  # unchecked: as documented

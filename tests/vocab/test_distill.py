@@ -503,3 +503,10 @@ def test_a_tensor_on_another_device_is_refused_by_name(where):
     args[where] = torch.empty_like(args[where], device="meta")
     with pytest.raises(ValueError, match=f"{where} is on the meta device"):
         reverse_kl(s, args["teacher_logits"], args["loss_mask"])
+
+
+def test_a_fractional_float_mask_is_refused_not_binarised():
+    with pytest.raises(TypeError, match="loss_mask must be a bool"):
+        reverse_kl(torch.randn(3, 5), torch.randn(3, 5), torch.tensor([0.5, 0.0, 1.0]))
+    ints = reverse_kl(torch.randn(3, 5), torch.randn(3, 5), torch.tensor([1, 0, 1]))  # integers: as bool
+    assert ints[1] == 0

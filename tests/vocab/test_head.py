@@ -347,3 +347,19 @@ def test_a_meta_tensor_is_refused_by_name(where):
     args[where] = torch.empty_like(args[where], device="meta")
     with pytest.raises(ValueError, match=f"{where} is on the meta device"):
         linear_logprobs(args["hidden"], args["weight"], args["labels"])
+
+
+@pytest.mark.parametrize("dtype", [torch.int16, torch.uint8, torch.int32])
+def test_narrow_integer_labels_give_the_int64_result(dtype):
+    g = torch.Generator().manual_seed(0)
+    hidden, weight = torch.randn(4, 3, generator=g), torch.randn(9, 3, generator=g)
+    labels = torch.tensor([0, 3, 8, 5])
+    want, _ = linear_logprobs(hidden, weight, labels)
+    got, _ = linear_logprobs(hidden, weight, labels.to(dtype))
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("softcap", [math.inf, math.nan, 0.0, -1.0])
+def test_a_softcap_that_is_not_positive_and_finite_is_refused(softcap):
+    with pytest.raises(ValueError, match="softcap must be a positive finite float"):
+        linear_logprobs(torch.randn(2, 3), torch.randn(5, 3), torch.tensor([0, 1]), softcap=softcap)

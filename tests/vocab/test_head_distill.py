@@ -380,3 +380,8 @@ def test_a_tensor_on_another_device_is_refused_by_name(where):
         linear_distill(
             torch.randn(4, 3), args["weight"], **teacher, loss_mask=args["loss_mask"], coefficients=args["coefficients"]
         )
+
+
+def test_a_fractional_float_mask_is_refused_not_binarised():
+    with pytest.raises(TypeError, match="loss_mask must be a bool"):
+        linear_distill(torch.randn(3, 2), torch.randn(5, 2), torch.randn(3, 5), loss_mask=torch.tensor([0.5, 0.0, 1.0]))

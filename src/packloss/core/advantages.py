@@ -30,6 +30,7 @@ def group_advantages(
     scale_by_std: bool = True,
     unbiased: bool = True,
     eps: float = 1e-6,
+    check_ids: bool = False,
 ) -> Tensor:
     """Advantages ``[M]`` of rewards ``[M]`` normalised within their groups.
 
@@ -40,6 +41,8 @@ def group_advantages(
         scale_by_std: divide by ``σ_g + eps`` (GRPO); ``False`` only centres (Dr. GRPO).
         unbiased: ``σ_g`` with the ``n_g − 1`` (True) or ``n_g`` (False) denominator.
         eps: added to ``σ_g``, so a group whose rewards are all equal gets advantage 0.
+        check_ids: raise ``ValueError`` for an id outside ``[0, num_groups)`` (one host read; off by
+            default: unchecked, such an id is torch's ``IndexError``, on CUDA a device-side assert).
 
     Returns:
         ``[M]`` advantages in the rewards' floating dtype (float32 for integer rewards).
@@ -52,6 +55,10 @@ def group_advantages(
         raise TypeError(f"group_ids must be a long tensor, got {group_ids.dtype}")
     if num_groups <= 0:
         raise ValueError(f"num_groups must be positive, got {num_groups}")
+    if check_ids and group_ids.numel() > 0:
+        low, high = (int(v) for v in torch.stack(group_ids.aminmax()).tolist())  # sync-ok: opt-in check
+        if low < 0 or high >= num_groups:
+            raise ValueError(f"group_ids must lie in [0, num_groups={num_groups}), got ids from {low} to {high}")
     r = rewards if rewards.is_floating_point() else rewards.to(torch.float32)
     count = segment_sum(torch.ones_like(r), group_ids, num_groups)  # [G]
     mean = segment_sum(r, group_ids, num_groups) / count.clamp_min(1)  # [G]

@@ -97,3 +97,12 @@ def same_device(reference: str, device: torch.device, **tensors: Tensor | None) 
             raise ValueError(
                 f"{name} is on {t.device} but {reference} is on {device}: the tensors of one loss share a device"
             )
+
+
+def mask_dtype(name: str, value: Tensor) -> None:
+    """A mask is bool or integer: a floating one would be read as ``≠ 0`` and its fractions lost."""
+    if value.is_floating_point() or value.is_complex():
+        raise TypeError(
+            f"{name} must be a bool (or integer) tensor, got {value.dtype}: a fractional mask would be "
+            "binarised; weight the tokens with the loss's coefficients (or weights) instead"
+        )

@@ -143,6 +143,9 @@ class PaddedLayout:
 
     def unpack(self, x: Tensor, pad_value: float = 0.0) -> Tensor:
         """``[N, ...]`` → ``[B, T, ...]`` with ``pad_value`` at the padding."""
+        n = sum(self.seq_lens)
+        if x.dim() == 0 or x.shape[0] != n:
+            raise ValueError(f"x must be [N, ...] with N={n} (this layout's tokens), got {list(x.shape)}")
         b, t = self.batch_shape
         out = torch.full((b * t, *x.shape[1:]), pad_value, dtype=x.dtype, device=x.device)
         return out.index_put((self.index.to(x.device),), x).view(b, t, *x.shape[1:])

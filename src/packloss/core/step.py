@@ -221,6 +221,8 @@ class StepDenominators:
 
     def denominator(self, name: str) -> Tensor | float:
         """``D`` of component ``name`` (clamped to at least 1)."""
+        if name not in self.denominators:
+            raise ValueError(f"name {name!r} is not a component of these denominators: {sorted(self.denominators)}")
         return self.denominators[name]
 
     def replaced(self, counts: Mapping[str, Tensor]) -> StepDenominators:

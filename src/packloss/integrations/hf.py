@@ -67,13 +67,15 @@ def causal_lm_logprobs(
     ignore_index: int = -100,
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
+    check_labels: bool = False,
     **model_kwargs,
 ) -> FusedCausalLMOutput:
     """Log-probs ``[B, S]`` of ``labels`` (aligned with positions) and entropy, via the fused head.
 
     ``model_kwargs`` (``attention_mask``, ``position_ids``, ``inputs_embeds``, …) go to ``model.model``;
     ``chunk_size`` (None: the chunk policy of :func:`~packloss.vocab.core.chunk_rows`) and
-    ``vocab_chunk_size`` (None: the device's default) to :func:`~packloss.vocab.head.linear_logprobs`.
+    ``vocab_chunk_size`` (None: the device's default) and ``check_labels`` (labels outside the vocabulary
+    raise; one host read) to :func:`~packloss.vocab.head.linear_logprobs`.
     ``return_dict=False`` returns :meth:`FusedCausalLMOutput.to_tuple` instead, as transformers models do.
     """
     _check_model(model)
@@ -101,6 +103,7 @@ def causal_lm_logprobs(
         entropy_grad=entropy_grad,
         softcap=_softcap(model),
         ignore_index=ignore_index,
+        check_labels=check_labels,
     )
     result = FusedCausalLMOutput(
         logprobs=logprobs.reshape(b, s),

@@ -83,6 +83,7 @@ def _check_mask(loss_mask: object, n: int, device: torch.device) -> Tensor | Non
         raise TypeError(f"loss_mask must be a torch.Tensor or None, got {type(loss_mask).__name__}")
     if loss_mask.shape != (n,):
         raise ValueError(f"loss_mask must be [N] = [{n}], got {tuple(loss_mask.shape)}")
+    checks.mask_dtype("loss_mask", loss_mask)
     checks.same_device("student_logits", device, loss_mask=loss_mask)
     return loss_mask.to(torch.bool)
 

@@ -5,6 +5,7 @@ Formulas, the block buffer and the backward: ``docs/distill.md``."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -372,12 +373,13 @@ def linear_logprobs(
     check_head(hidden, weight)
     n, v_local = hidden.shape[0], weight.shape[0]
     check_tokens("labels", labels, n, "integer", hidden)
+    labels = labels if labels.dtype in (torch.int32, torch.int64) else labels.long()  # gather takes these two
     if vocab_chunk_size is None:
         vocab_chunk_size = DEFAULT_VOCAB_CHUNK_SIZE["cpu" if hidden.device.type == "cpu" else "accelerator"]
     check_positive_int("vocab_chunk_size", vocab_chunk_size)
     rows = chunk_rows(min(vocab_chunk_size, v_local), hidden.device, chunk_size, budget=HEAD_BLOCK)
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be a positive float or None, got {softcap!r}")
+    if softcap is not None and not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a positive finite float or None, got {softcap!r}")
     if entropy_grad and not return_entropy:
         raise ValueError("entropy_grad=True needs return_entropy=True")
     parallel = check_parallel(parallel)

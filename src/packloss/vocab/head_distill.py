@@ -189,6 +189,7 @@ def linear_distill(
     )
     if loss_mask is not None:
         check_tokens("loss_mask", loss_mask, n, "any", hidden)
+        checks.mask_dtype("loss_mask", loss_mask)
         loss_mask = loss_mask.to(torch.bool)
     coef = _coefficients(coefficients, loss_mask, n, cdt, hidden)
     rows = chunk_rows(v_local, hidden.device, chunk_size, budget=MATMUL)
