@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import CONFIGS, bin_of, poison_non_members, toy
+from conftest import CONFIGS, bin_of, poison_non_members, toy, with_old
 from packloss import (
     DPPO,
     IPO,
@@ -281,10 +281,12 @@ def test_low_precision_inputs_compute_in_float32(dtype):
     assert torch.equal(compute_loss(up.plan(), up.outputs()).loss, result.loss)
 
 
-def test_compute_loss_compiles_with_fullgraph():
-    """torch.compile(fullgraph=True) traces the whole engine (no graph break, no sync) and agrees."""
-    streams = bin_of("sdft", num_tokens=300, num_seqs=7, seed=9)
-    plan = streams.plan(PolicyGradient("gspo", ratio="rollout", penalties=DPPO.penalties), normalize="sequence_mean")
+@pytest.mark.parametrize("region", ["gspo", "clip_cov"])
+def test_compute_loss_compiles_with_fullgraph(region):
+    """torch.compile(fullgraph=True) traces the whole engine (no graph break, no sync) and agrees, also
+    for a region that selects tokens over the step (its selection was compared by repr: a graph break)."""
+    streams = with_old(bin_of("sdft", num_tokens=300, num_seqs=7, seed=9))
+    plan = streams.plan(PolicyGradient(region, ratio="rollout", penalties=DPPO.penalties), normalize="sequence_mean")
     den = count_denominators([plan])
     compiled = torch.compile(lambda p, o, d: compute_loss(p, o, d).loss, fullgraph=True)
     loss = compiled(plan, streams.outputs(), den)
@@ -293,6 +295,17 @@ def test_compute_loss_compiles_with_fullgraph():
     (grad_eager,) = torch.autograd.grad(eager, streams.trainer_logprobs)
     assert torch.allclose(loss, eager, rtol=1e-6)
     assert torch.allclose(grad, grad_eager, rtol=1e-5, atol=1e-8)
+
+
+def test_vocab_distill_is_not_traced_whole_as_the_design_doc_says():
+    """docs/design.md: VocabDistill's chunked autograd Function breaks fullgraph (its backward reads
+    the autograd engine's state); its chunks compile with impl="compiled" instead."""
+    n, v = 12, 7
+    plan = Plan((6, 6), {"kd": Component(VocabDistill("reverse_kl"), torch.ones(n, dtype=torch.bool))},
+                teacher_logits=torch.randn(n, v))  # fmt: skip
+    compiled = torch.compile(lambda p, o: compute_loss(p, o).loss, fullgraph=True)
+    with pytest.raises(torch._dynamo.exc.Unsupported):
+        compiled(plan, Outputs(logits=torch.randn(n, v, requires_grad=True)))
 
 
 def test_compiled_engine_does_not_recompile_per_packing():

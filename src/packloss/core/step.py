@@ -82,12 +82,16 @@ def _describe(mode: Mode) -> str:
 
 @dataclass(frozen=True, eq=False)
 class StepSelection:
-    """The selection of one component over a step: ``spec`` (the objective it was made for), the
+    """The selection of one component over a step: ``objective`` (the one it was made for), the
     step's ``sums`` (float64 ``[num_sums]``) and the score ``threshold`` (0-d float64)."""
 
-    spec: str
+    objective: Objective
     sums: Tensor
     threshold: Tensor
+
+    def made_for(self, objective: object) -> bool:
+        """Whether this selection was made for ``objective`` (the same one, or an equal one)."""
+        return objective is self.objective or objective == self.objective
 
     def of(self, selector: StepSelector, objective: Objective, plan: Plan, name: str) -> Selection:
         """The :class:`~packloss.core.bin.Selection` of component ``name`` in ``plan``."""
@@ -179,7 +183,7 @@ def _select(
         rows = every.reshape(world, -1)  # [W, Σ K]
         tops = [part.reshape(-1).sort(descending=True).values for part in torch.split(rows, sizes, dim=1)]
     return {
-        k: StepSelection(repr(objectives[k]), sums[k], selectors[k].threshold(top, sums[k]))
+        k: StepSelection(objectives[k], sums[k], selectors[k].threshold(top, sums[k]))
         for k, top in zip(names, tops, strict=True)
     }
 
@@ -244,12 +248,12 @@ class StepDenominators:
                     f"were counted for {_describe(self.modes[name])}"
                 )
             if _selector(comp.loss) is not None:
-                got, want = self.selections.get(name), repr(comp.loss)
-                if got is None or got.spec != want:
-                    counted = "no selection" if got is None else got.spec
+                got = self.selections.get(name)
+                if got is None or not got.made_for(comp.loss):
+                    counted = "no selection" if got is None else repr(got.objective)
                     raise ValueError(
-                        f"component {name!r} selects tokens over the step with {want} but the step denominators "
-                        f"hold {counted}; count them from the same plans"
+                        f"component {name!r} selects tokens over the step with {comp.loss!r} but the step "
+                        f"denominators hold {counted}; count them from the same plans"
                     )
         if plan.group_ids is not None and plan.num_groups > self.num_groups and self.num_groups:
             raise ValueError(

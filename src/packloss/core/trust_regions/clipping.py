@@ -30,6 +30,23 @@ def _clip_metrics(ratio: Tensor, a: Tensor, low: float, high: float) -> dict[str
     return {"clip_frac_low": (a < 0) & (r < 1 - low), "clip_frac_high": (a > 0) & (r > 1 + high)}
 
 
+def clipped(
+    ratio: Tensor, a: Tensor, low: float, high: float, dual_clip_c: float | None = None
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """``(J [N], metrics)`` of PPO's clipped surrogate ``min(r·A', clip(r, 1−low, 1+high)·A')`` of
+    ``ratio`` (token or sequence ratio), with the dual clip ``max(J, c·A')`` for ``A' < 0``. A plain
+    function, so regions built on it construct no region (and re-run no check) inside their surrogate."""
+    surrogate = torch.minimum(ratio * a, ratio.clamp(1 - low, 1 + high) * a)
+    metrics = _clip_metrics(ratio, a, low, high)
+    is_masked = metrics["clip_frac_low"] | metrics["clip_frac_high"]
+    if dual_clip_c is not None:
+        surrogate = torch.where(a < 0, torch.maximum(surrogate, dual_clip_c * a), surrogate)
+        metrics["dual_clip_frac"] = (a < 0) & (ratio.detach() > dual_clip_c)
+        is_masked = is_masked | metrics["dual_clip_frac"]
+    metrics["is_masked"] = is_masked
+    return surrogate, metrics
+
+
 @register_trust_region("ppo_clip")
 @dataclass(frozen=True)
 class PPOClip(TrustRegion):
@@ -48,15 +65,7 @@ class PPOClip(TrustRegion):
 
     def clipped(self, ratio: Tensor, a: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         """``(J [N], metrics)`` of the clipped surrogate of ``ratio`` (token or sequence ratio)."""
-        surrogate = torch.minimum(ratio * a, ratio.clamp(1 - self.clip_low, 1 + self.clip_high) * a)
-        metrics = _clip_metrics(ratio, a, self.clip_low, self.clip_high)
-        is_masked = metrics["clip_frac_low"] | metrics["clip_frac_high"]
-        if self.dual_clip_c is not None:
-            surrogate = torch.where(a < 0, torch.maximum(surrogate, self.dual_clip_c * a), surrogate)
-            metrics["dual_clip_frac"] = (a < 0) & (ratio.detach() > self.dual_clip_c)
-            is_masked = is_masked | metrics["dual_clip_frac"]
-        metrics["is_masked"] = is_masked
-        return surrogate, metrics
+        return clipped(ratio, a, self.clip_low, self.clip_high, self.dual_clip_c)
 
     def clipped_with_ratio_metric(self, t: PolicyTerms, ratio: Tensor, sequence_ratio=None) -> Surrogate:
         """:meth:`clipped` of ``ratio [N]`` plus the metric ``clip_ratio``: members whose clipped

@@ -21,7 +21,7 @@ from packloss.core.trust_regions.base import (
     TrustRegion,
     register_trust_region,
 )
-from packloss.core.trust_regions.clipping import PPOClip
+from packloss.core.trust_regions.clipping import clipped
 
 __all__ = ["ClipCov", "KLCov", "M2PO"]
 
@@ -108,7 +108,7 @@ class ClipCov(_Covariance):
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         selected = self.selected(t)
-        surrogate, metrics = PPOClip(self.clip_low, self.clip_high).clipped(t.r, t.a)
+        surrogate, metrics = clipped(t.r, t.a, self.clip_low, self.clip_high)
         metrics["is_masked"] = metrics["is_masked"] | selected
         metrics["cov_selected"] = selected
         return Surrogate(torch.where(t.m & ~selected, surrogate, 0.0), metrics)

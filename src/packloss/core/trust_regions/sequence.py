@@ -19,7 +19,7 @@ from packloss.core.trust_regions.base import (
     register_trust_region,
     required,
 )
-from packloss.core.trust_regions.clipping import PPOClip
+from packloss.core.trust_regions.clipping import PPOClip, clipped
 
 __all__ = ["GSPO", "SequenceLevel", "SequenceRatioClip", "GMPO"]
 
@@ -47,7 +47,7 @@ class GSPO(TrustRegion):
         seq_ratio = finite_exp(seq_log_r)  # [S]
         trn_m = torch.where(t.m, t.trn, 0.0)
         token_ratio = broadcast(seq_ratio, t.seq_ids) * torch.exp(trn_m - trn_m.detach())  # [N]
-        surrogate, metrics = PPOClip(self.clip_low, self.clip_high).clipped(token_ratio, t.a)
+        surrogate, metrics = clipped(token_ratio, t.a, self.clip_low, self.clip_high)
         return Surrogate(torch.where(t.m, surrogate, 0.0), metrics, sequence_ratio=(seq_ratio, count > 0))
 
 
