@@ -24,12 +24,13 @@ def test_peer_metrics_sum_their_sources_and_keep_the_rest_under_a_prefix():
         "pg_clipfrac": ("clip_frac_low", "clip_frac_high"),  # the sum of both
         "pg_masked": ("is_masked",),
         "dual_clipfrac": ("dual_clip_frac",),  # a source packloss did not report: no peer metric
-        "empty": (),
+        "pg_clipfrac_lower": (),  # the peer reports a constant 0
     }
     got = peer_metrics(own, table)
-    assert set(got) == {"pg_clipfrac", "pg_masked"}
+    assert set(got) == {"pg_clipfrac", "pg_masked", "pg_clipfrac_lower"}
+    assert got["pg_clipfrac_lower"].item() == 0.0 and got["pg_clipfrac_lower"].dim() == 0
     assert got["pg_clipfrac"].item() == torch.tensor(0.35).item() and got["pg_masked"] is own["is_masked"]
     with_rest = peer_metrics(own, table, rest="packloss/")
-    assert set(with_rest) == {"pg_clipfrac", "pg_masked", "packloss/clip_frac_low", "packloss/clip_frac_high",
-                              "packloss/is_masked"}  # fmt: skip
+    assert set(with_rest) == {"pg_clipfrac", "pg_masked", "pg_clipfrac_lower", "packloss/clip_frac_low",
+                              "packloss/clip_frac_high", "packloss/is_masked"}  # fmt: skip
     assert with_rest["packloss/clip_frac_high"] is own["clip_frac_high"]

@@ -96,7 +96,8 @@ class ClampedPPOClip(PPOClip):
 @dataclass(frozen=True)
 class CISPO(TrustRegion):
     """MiniMax-M1: ``J = sg(clip(r, 1−ε_low, 1+ε_high)) · A' · trn`` (REINFORCE with a detached,
-    clipped importance weight; no token is dropped)."""
+    clipped importance weight; no token is dropped). Metrics ``clip_frac_low`` / ``_high`` (as PPO's)
+    and ``clip_frac``: members whose weight the clip changes, whatever the advantage (verl's)."""
 
     clip_low: float = 0.2
     clip_high: float = 0.2
@@ -108,7 +109,9 @@ class CISPO(TrustRegion):
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         weight = t.r.clamp(1 - self.clip_low, 1 + self.clip_high).detach()
         objective = torch.where(t.m, weight * t.a * member_trn(t), 0.0)
-        return Surrogate(objective, _clip_metrics(t.r, t.a, self.clip_low, self.clip_high))
+        metrics = _clip_metrics(t.r, t.a, self.clip_low, self.clip_high)
+        metrics["clip_frac"] = weight != t.r.detach()
+        return Surrogate(objective, metrics)
 
 
 @register_trust_region("cispo_cap")

@@ -10,7 +10,8 @@ from torch import Tensor
 __all__ = ["RenameTable", "component_metrics", "peer_metrics"]
 
 RenameTable = Mapping[str, Sequence[str]]
-"""``{peer name: (packloss metric, ...)}``: the peer's metric is the sum of the listed ones."""
+"""``{peer name: (packloss metric, ...)}``: the peer's metric is the sum of the listed ones; an empty
+tuple is a metric the peer reports as a constant 0 (no packloss counterpart)."""
 
 
 def component_metrics(metrics: Mapping[str, Tensor], component: str) -> dict[str, Tensor]:
@@ -20,11 +21,14 @@ def component_metrics(metrics: Mapping[str, Tensor], component: str) -> dict[str
 
 
 def peer_metrics(own: Mapping[str, Tensor], table: RenameTable, rest: str | None = None) -> dict[str, Tensor]:
-    """``{peer name: Σ own[source]}`` for every row of ``table`` whose sources ``own`` all has, then
+    """``{peer name: Σ own[source]}`` for every row of ``table`` whose sources ``own`` all has (0 for a
+    row without sources), then
     (``rest`` given) every metric of ``own`` as ``rest + name``."""
     out: dict[str, Tensor] = {}
     for peer, sources in table.items():
-        if sources and all(s in own for s in sources):
+        if not sources and own:
+            out[peer] = next(iter(own.values())).new_zeros(())
+        elif sources and all(s in own for s in sources):
             total = own[sources[0]]
             for s in sources[1:]:
                 total = total + own[s]

@@ -26,7 +26,7 @@ from packloss.core.kl import KLPenalty
 from packloss.core.pg import PolicyGradient
 from packloss.core.recipe import POLICY
 from packloss.core.step import StepDenominators, count_denominators
-from packloss.core.trust_regions import DPPOKL, DPPOTV, GMPO, GSPO, TOPR, ClipCov, DPPOMask, PPOClip
+from packloss.core.trust_regions import CISPO, DPPOKL, DPPOTV, GMPO, GSPO, SAPO, TOPR, ClipCov, DPPOMask, PPOClip
 from packloss.integrations.common.config import ConfigReader
 from packloss.integrations.common.metrics import RenameTable, component_metrics, peer_metrics
 from packloss.integrations.common.padded import PaddedBatch, check_padded, log_ratio_mean
@@ -47,7 +47,9 @@ _DPPO_DRIFT = 1e-3  # prime-rl's kl_tau
 
 CLIP_FRACTIONS: dict[type, RenameTable] = {
     PPOClip: {"actor/pg_clipfrac": ("clip_frac_low", "clip_frac_high"), "actor/pg_clipfrac_lower": ("dual_clip_frac",)},
-    GSPO: {"actor/pg_clipfrac": ("clip_frac_low", "clip_frac_high")},
+    GSPO: {"actor/pg_clipfrac": ("clip_frac_low", "clip_frac_high"), "actor/pg_clipfrac_lower": ()},
+    CISPO: {"actor/pg_clipfrac": ("clip_frac",), "actor/pg_clipfrac_lower": ()},
+    SAPO: {"actor/pg_clipfrac": (), "actor/pg_clipfrac_lower": ()},
     GMPO: {"actor/pg_clipfrac": ("clip_frac_high",), "actor/pg_clipfrac_lower": ("clip_frac_low",)},
     DPPOTV: {"actor/pg_clipfrac": ("is_masked",), "actor/pg_clipfrac_lower": ("is_truncated",)},
     DPPOKL: {"actor/pg_clipfrac": ("is_masked",), "actor/pg_clipfrac_lower": ("is_truncated",)},
