@@ -60,6 +60,24 @@ def _denominator(mode: Normalize, constant: float | Tensor | None, counts: Tenso
     return counts[0].clamp_min(1)
 
 
+_SPARSE_SLACK, _SPARSE_FLOOR = 8, 1 << 16
+
+
+def _dense_group_count(plans: Sequence[Plan]) -> int:
+    """``max(group_ids) + 1`` over ``plans``: the size of their ``group_mean`` counts. Ids must be dense
+    (``0 … G−1``, a few unused allowed), or the counts would be sized by the largest id instead of the
+    number of groups: a ``ValueError`` when the id space exceeds 8× the distinct ids (and 65,536)."""
+    ids = {g for p in plans if p.group_ids is not None for g in p.group_ids}
+    space = max(ids, default=-1) + 1
+    if space > max(_SPARSE_SLACK * len(ids), _SPARSE_FLOOR):
+        raise ValueError(
+            f"group_ids reach {space - 1} for {len(ids)} distinct groups: the group_mean counts would hold "
+            f"{space} numbers; renumber the groups 0..{len(ids) - 1} (e.g. torch.unique(ids, return_inverse=True)) "
+            "or pass num_groups= to count_denominators"
+        )
+    return space
+
+
 def same_mode(a: Mode, b: Mode) -> bool:
     """Whether two ``(Normalize, constant)`` agree; tensor constants agree only when they are the same
     tensor (comparing their values would read the device)."""
@@ -326,7 +344,7 @@ def _count_local(
         if num_groups is None:
             if across_ranks:
                 raise ValueError("group_mean across ranks needs num_groups= (the same on every rank)")
-            num_groups = max((p.num_groups for p in plans), default=0)
+            num_groups = _dense_group_count(plans)
         elif isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 1:
             raise ValueError(f"num_groups must be a positive int, got {num_groups!r}")
         for i, plan in enumerate(plans):
@@ -414,7 +432,8 @@ def aggregation(plan: Plan, name: str, denominators: StepDenominators | None, dt
         counts = denominators.counts[name]
         denominator = denominators.denominator(name).to(dtype)  # float64 counts → the compute dtype
     else:
-        counts = _local_counts(plan, name, mode, plan.num_groups, dtype)
+        groups = _dense_group_count([plan]) if mode is Normalize.GROUP_MEAN else plan.num_groups
+        counts = _local_counts(plan, name, mode, groups, dtype)
         denominator = _denominator(mode, None, counts)
     divisor: Tensor | None = None
     if mode is Normalize.SEQUENCE_MEAN:
