@@ -226,7 +226,7 @@ def check_clip(region: TrustRegion) -> None:
 def masked(t: PolicyTerms, drop: Tensor, metrics: dict[str, Tensor]) -> Surrogate:
     """The token-dropping regions: ``J = (m & ¬drop) · a · r``."""
     keep = t.m & ~drop
-    return Surrogate(torch.where(keep, t.a * t.r, 0.0), {"is_masked": drop, **metrics})
+    return Surrogate(keep * t.a * t.r, {"is_masked": drop, **metrics})  # r is finite: 0 · r = 0
 
 
 def clamped_ratio(t: PolicyTerms) -> Tensor:

@@ -194,6 +194,4 @@ class M2PO(StepSelector):
         dropped = self.selected(t)
         keep = t.m & ~dropped
         x = torch.where(t.m, t.scores, 0.0).to(t.r.dtype)  # [N]
-        return Surrogate(
-            torch.where(keep, t.a * t.r, 0.0), {"is_masked": dropped, "m2": (x, t.m), "m2_kept": (x, keep)}
-        )
+        return Surrogate(keep * t.a * t.r, {"is_masked": dropped, "m2": (x, t.m), "m2_kept": (x, keep)})
