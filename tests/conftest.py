@@ -346,6 +346,17 @@ def region_family_tests(objectives: dict, papers: dict, regions: dict | None = N
         region, paper = regions[name]
         check_against_paper(PolicyGradient(region), paper, case, with_old=True, rtol=1e-9)
 
+    return (
+        tests
+        | module_part_tests(modules)
+        | dict(test_region_matches_paper_reference=test_region_matches_paper_reference)
+    )
+
+
+def module_part_tests(modules: dict) -> dict:
+    """``modules`` (``name → (rl objective, kl objective)``, the parts of one trainer module) NaN-safe on
+    non-members, sync-free and flat in the sequences, as ``{name: test function}`` for ``globals()``."""
+
     @pytest.mark.parametrize("name", sorted(modules))
     def test_module_parts_are_nan_safe(name):
         rl, kl = modules[name]
@@ -357,8 +368,7 @@ def region_family_tests(objectives: dict, papers: dict, regions: dict | None = N
         rl, kl = modules[name]
         check_sync_free_and_flat(rl, mode, old=True, ref_kl=kl, grouped=False)
 
-    return tests | dict(
-        test_region_matches_paper_reference=test_region_matches_paper_reference,
+    return dict(
         test_module_parts_are_nan_safe=test_module_parts_are_nan_safe,
         test_module_parts_sync_free_and_flat=test_module_parts_sync_free_and_flat,
     )

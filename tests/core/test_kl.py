@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from conftest import bin_of, check_against_paper, check_nan_safe, check_sync_free_and_flat, one_sequence, packings
+from conftest import bin_of, check_against_paper, module_part_tests, one_sequence, packings
 from packloss import Component, KLPenalty, Outputs, Plan, PolicyGradient, compute_loss
 from packloss.core.kl import KL_ESTIMATORS, RatioWeightedKL, kl_estimate
 from packloss.core.trust_regions import SequenceLevel
@@ -34,17 +34,7 @@ def test_ratio_weighted_kl_matches_reference(level, case):
                         with_old=True, rtol=1e-9)  # fmt: skip
 
 
-@pytest.mark.parametrize("name", sorted(MODULE_OBJECTIVES))
-def test_module_parts_are_nan_safe(name):
-    rl, kl = MODULE_OBJECTIVES[name]
-    check_nan_safe(rl, old=True, ref_kl=kl)
-
-
-@pytest.mark.parametrize("name", sorted(MODULE_OBJECTIVES))
-@pytest.mark.parametrize("mode", ["token", "sequence_mean", "constant"])
-def test_module_parts_sync_free_and_flat(name, mode):
-    rl, kl = MODULE_OBJECTIVES[name]
-    check_sync_free_and_flat(rl, mode, old=True, ref_kl=kl, grouped=False)
+globals().update(module_part_tests(MODULE_OBJECTIVES))
 
 
 def test_ratio_weighted_kl_metrics_by_hand():
