@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import zlib
 
-from packloss.core.agreement import check_agreement
+import pytest
+
+from packloss.core.agreement import check_agreement, raised_on_every_rank
 from packloss.testing import run_gloo
 
 
@@ -31,3 +33,11 @@ def test_ranks_pass_equal_descriptions_and_all_raise_on_different_ones():
             f"step components or modes differ across ranks (fingerprints {low:#010x}..{high:#010x}); "
             f"this rank has components rl:{mode}"
         )
+
+
+def test_raised_on_every_rank_reraises_unchanged_without_a_process_group():
+    from_checks = ValueError("plans[0] has group id 5 >= num_groups=2")
+    with pytest.raises(ValueError) as raised:
+        with raised_on_every_rank("step components or modes"):
+            raise from_checks
+    assert raised.value is from_checks

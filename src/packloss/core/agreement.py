@@ -11,12 +11,14 @@ outside the loss's forward and backward.
 
 from __future__ import annotations
 
+import contextlib
 import zlib
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["check_agreement", "collective_device"]
+__all__ = ["check_agreement", "collective_device", "raised_on_every_rank"]
 
 
 def collective_device(group: object | None = None, device: torch.device | str | None = None) -> torch.device:
@@ -54,3 +56,18 @@ def check_agreement(
         raise ValueError(
             f"{what} differ across ranks (fingerprints {-neg_low:#010x}..{high:#010x}); this rank has {description}"
         )
+
+
+@contextlib.contextmanager
+def raised_on_every_rank(
+    what: str, group: object | None = None, device: torch.device | str | None = None, enabled: bool = True
+) -> Iterator[None]:
+    """Run a rank's own checks; a ``TypeError`` / ``ValueError`` they raise reaches every rank of
+    ``group`` through :func:`check_agreement` (when ``enabled`` and a process group exists), so no rank
+    waits in the collective the others are about to join."""
+    try:
+        yield
+    except (TypeError, ValueError) as error:
+        if enabled and dist.is_initialized():
+            check_agreement("", what, collective_device(group, device), group, problem=error)
+        raise

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from packloss.core.agreement import check_agreement, collective_device
+from packloss.core.agreement import check_agreement, raised_on_every_rank
 from packloss.core.dtypes import upcast
 from packloss.core.segments import segment_mean
 
@@ -124,15 +124,10 @@ def all_reduce_metrics(
     metrics fail their checks, raise the same ``ValueError`` on every rank instead of aborting, hanging
     or averaging different metrics.
     """
-    try:
+    with raised_on_every_rank("metric names", group, enabled=check):
         _check_metrics(metrics, counts)
         if not metrics:
             raise ValueError("metrics is empty: nothing to all-reduce")
-    except (TypeError, ValueError) as error:
-        if not (check and dist.is_initialized()):
-            raise
-        check_agreement("", "metric names", collective_device(group), group, problem=error)
-        raise  # check_agreement raised on every rank
     keys = sorted(metrics)
     device = metrics[keys[0]].device
     if check:

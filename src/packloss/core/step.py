@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from packloss.core.agreement import check_agreement, collective_device
+from packloss.core.agreement import check_agreement, raised_on_every_rank
 from packloss.core.bin import Aggregation, Normalize, Objective, Plan, Selection
 from packloss.core.segments import broadcast, segment_count
 from packloss.core.trust_regions.base import StepSelector
@@ -396,13 +396,8 @@ def count_denominators(
     same on every rank).
     """
     agree = all_reduce and check
-    try:
+    with raised_on_every_rank("step components or modes", group, device, enabled=agree):
         local = _count_local(plans, modes, num_groups, device, objectives, max_rank_tokens, all_reduce)
-    except (TypeError, ValueError) as error:
-        if not (agree and dist.is_initialized()):
-            raise
-        check_agreement("", "step components or modes", collective_device(group, device), group, problem=error)
-        raise  # check_agreement raised on every rank: this line is never reached
     if all_reduce:
         if agree:
             check_agreement(local.description(max_rank_tokens), "step components or modes", local.device, group)
