@@ -12,14 +12,14 @@ from packloss.tools.bench import peers, peers_rl, peers_vocab, report
 from packloss.tools.cli import run_suite
 
 TINY = peers.Sizes(
-    rl_tokens=96,
-    rl_seqs=5,
+    rl_shapes=((96, 5),),
     compiled=False,
     rl_warmup=1,
     rl_repeat=2,
-    fused=(32, 16, 128),
+    fused_shapes=((32, 16, 128),),
     fused_check=(32, 16, 128),
-    fused_repeat=1,
+    fused_repeat=2,
+    fused_rounds=1,
 )
 
 
@@ -52,7 +52,7 @@ def test_tiny_run_has_a_checked_row_per_variant_and_ratios(tiny_run):
     for comparison in RL_COMPARISONS:  # trl and verl are installed in the test environment
         rows = _rows(result, comparison)
         peer = comparison.split("·")[1]
-        assert set(rows) == {"packloss_eager", peer}
+        assert set(rows) == {"packloss_eager", peer, "naive_eager"}
         ours = rows["packloss_eager"]
         assert 0 <= ours["grad_rel_err"] <= peers_rl.RL_RTOL and ours["loss_rel_diff"] >= 0
         assert ours[f"vs_{peer}"] == pytest.approx(ours["time_ms"] / rows[peer]["time_ms"])

@@ -71,9 +71,13 @@ def native_bin(streams: Streams) -> NativeBin:
     return NativeBin(plan, count_denominators([plan]), streams.trainer_logprobs)
 
 
-def native_step(plan: Plan, trainer_logprobs: Tensor, denominators: StepDenominators) -> Tensor:
-    """The native loss of the bin, the function the eager and compiled columns run (and compile)."""
-    return compute_loss(plan, Outputs(logprobs=trainer_logprobs), denominators).loss
+def native_step(
+    plan: Plan, trainer_logprobs: Tensor, denominators: StepDenominators
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The native loss of the bin and its metrics, the function the eager and compiled columns run (and
+    compile): returning the metrics keeps them in the compiled graph, as a trainer that logs them needs."""
+    result = compute_loss(plan, Outputs(logprobs=trainer_logprobs), denominators)
+    return result.loss, result.metrics
 
 
 def _reference_step(streams: Streams) -> Callable[[], None]:
@@ -129,10 +133,13 @@ def _compat_floor_step(streams: Streams) -> Callable[[], None]:
     return step
 
 
-def _native_step(fn: Callable[[Plan, Tensor, StepDenominators], Tensor], b: NativeBin) -> Callable[[], None]:
+_NativeStep = Callable[[Plan, Tensor, StepDenominators], tuple[Tensor, dict[str, Tensor]]]
+
+
+def _native_step(fn: _NativeStep, b: NativeBin) -> Callable[[], None]:
     def step() -> None:
         b.trainer_logprobs.grad = None
-        fn(b.plan, b.trainer_logprobs, b.denominators).backward()
+        fn(b.plan, b.trainer_logprobs, b.denominators)[0].backward()
 
     return step
 
@@ -172,7 +179,7 @@ def _row(archetype: str, streams: Streams, variant: str, median_ms: float, **ext
 class _Compiled:
     """An archetype's compiled step and dynamo's graph count before its first call."""
 
-    fn: Callable[[Plan, Tensor, StepDenominators], Tensor]
+    fn: _NativeStep
     graphs_before: int
 
 

@@ -11,7 +11,7 @@ from importlib import metadata
 
 import torch
 
-from packloss.tools.bench.peers_rl import RL_RTOL, run_rl
+from packloss.tools.bench.peers_rl import METRIC_ATOL, RL_RTOL, run_rl
 from packloss.tools.bench.peers_vocab import HEAD_RTOL, JSD_BETA, run_fused, run_head_floors
 
 __all__ = ["Sizes", "sizes", "run"]
@@ -19,25 +19,28 @@ __all__ = ["Sizes", "sizes", "run"]
 
 @dataclass(frozen=True)
 class Sizes:
-    """RL tokens / sequences / compiled columns and variants / warm-up / repeats; head and distill
-    ``(N, H, V)`` timed and checked, and their repeats."""
+    """RL ``(tokens, sequences)`` shapes / compiled variants or not / warm-up / repeats; head and distill
+    ``(N, H, V)`` shapes timed and the one checked, timed calls per process, fresh processes per variant."""
 
-    rl_tokens: int
-    rl_seqs: int
+    rl_shapes: tuple[tuple[int, int], ...]
     compiled: bool
     rl_warmup: int
     rl_repeat: int
-    fused: tuple[int, int, int]
+    fused_shapes: tuple[tuple[int, int, int], ...]
     fused_check: tuple[int, int, int]
     fused_repeat: int
+    fused_rounds: int
 
 
 def sizes(quick: bool) -> Sizes:
-    """Default: 32,768 packed tokens in 32 sequences (≈ 62k padded elements), heads ``2048 × 512 × 32768``.
-    Quick: 2,048 tokens in 8 sequences, eager only; heads ``256 × 64 × 2048``."""
+    """Default: RL at 32,768 packed tokens in 32 sequences (≈ 62k padded elements) and 131,072 in 256;
+    heads at ``2048 × 512 × 32768`` and ``512 × 1024 × 65536`` (the same flops, twice the hidden size),
+    3 timed calls in each of 2 processes per variant. Quick: 2,048 tokens in 8 sequences, eager only;
+    heads ``256 × 64 × 2048``, one process each."""
     if quick:
-        return Sizes(2048, 8, False, 2, 10, (256, 64, 2048), (256, 64, 2048), 3)
-    return Sizes(32768, 32, True, 3, 50, (2048, 512, 32768), (512, 128, 8192), 3)
+        return Sizes(((2048, 8),), False, 2, 10, ((256, 64, 2048),), (256, 64, 2048), 3, 1)
+    heads = ((2048, 512, 32768), (512, 1024, 65536))
+    return Sizes(((32768, 32), (131072, 256)), True, 3, 50, heads, (512, 128, 8192), 3, 2)
 
 
 def run(device: str, quick: bool, progress: Callable[[str], None] | None = None, *, size: Sizes | None = None) -> dict:
@@ -49,16 +52,19 @@ def run(device: str, quick: bool, progress: Callable[[str], None] | None = None,
     s = size or sizes(quick)
     report = progress or (lambda _description: None)
     notes: list[str] = []
-    rows = run_rl(s.rl_tokens, s.rl_seqs, s.compiled, s.rl_warmup, s.rl_repeat, report, notes)
+    rows = run_rl(list(s.rl_shapes), s.compiled, s.rl_warmup, s.rl_repeat, report, notes)
     for kind in ("head", "distill"):
-        fused = run_fused(kind, s.fused, s.fused_check, s.fused_repeat, device, report, notes, s.compiled)
+        shapes = list(s.fused_shapes)
+        repeats = (s.fused_repeat, s.fused_rounds)
+        fused = run_fused(kind, shapes, s.fused_check, *repeats, device, report, notes, s.compiled)
         rows.extend(fused)
         if kind == "head":
-            rows.extend(run_head_floors(s.fused, s.fused_repeat, device, report, fused))
+            rows.extend(run_head_floors(shapes, *repeats, device, report, fused))
     return {
         "rows": rows,
         "notes": notes,
-        "sizes": vars(s) | {"rl_rtol": RL_RTOL, "fused_rtol": HEAD_RTOL, "jsd_beta": JSD_BETA},
+        "sizes": vars(s) | {"rl_rtol": RL_RTOL, "metric_atol": METRIC_ATOL, "fused_rtol": HEAD_RTOL},
+        "jsd_beta": JSD_BETA,
         "threads": torch.get_num_threads(),
         "versions": _versions(),
     }

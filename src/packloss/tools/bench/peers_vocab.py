@@ -1,11 +1,13 @@
 """The vocabulary rows of ``packloss bench peers``: fused LM heads (cut-cross-entropy, TRL) and
-distillation from hidden states (Liger) beside packloss's, each in a fresh process, values checked
-against naive autograd before timing, and the head's matmuls alone as its floor.
+distillation from hidden states (Liger) beside packloss's and a naive materialised loss (eager and
+compiled), at several shapes, each variant in a fresh process per round, values checked against naive
+autograd before timing, and the head's matmuls alone as its floor.
 ``docs/benchmarks.md``, "How the suites measure"."""
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable
 
 import torch
@@ -32,17 +34,19 @@ JSD_BETA = 0.5
 
 HEAD_VARIANTS = {
     "naive_eager": None,
+    "naive_compiled": None,
     "packloss_fused": None,
     "cce_torch_compile": "cut_cross_entropy",
     "trl_chunked": "trl.kernels",
 }
 DISTILL_VARIANTS = {
     "naive_eager": None,
+    "naive_compiled": None,
     "packloss_fused": None,
     "packloss_fused_compiled": None,
     "liger_compiled": "liger_kernel.chunked_loss",
 }
-_COMPILED_VARIANTS = {"packloss_fused_compiled"}  # left out when the suite runs without compiled columns
+_COMPILED_VARIANTS = {"naive_compiled", "packloss_fused_compiled"}  # left out without compiled columns
 
 
 def _head_inputs(n: int, h: int, v: int, device: str, seed: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -52,10 +56,17 @@ def _head_inputs(n: int, h: int, v: int, device: str, seed: int) -> tuple[Tensor
     return hidden, weight, torch.randint(0, v, (n,), generator=g).to(device)
 
 
+def _naive_logprobs(hd: Tensor, w: Tensor, y: Tensor) -> Tensor:
+    """``log_softmax(h Wᵀ)[label]`` with the ``[N, V]`` logits materialised."""
+    return torch.log_softmax((hd @ w.T).float(), -1).gather(1, y[:, None]).squeeze(1)
+
+
 def head_fn(variant: str) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """``(hidden, weight, labels) -> log p(label) [N]`` of one head variant."""
     if variant == "naive_eager":
-        return lambda hd, w, y: torch.log_softmax((hd @ w.T).float(), -1).gather(1, y[:, None]).squeeze(1)
+        return _naive_logprobs
+    if variant == "naive_compiled":
+        return torch.compile(_naive_logprobs)
     if variant == "packloss_fused":
         from packloss.vocab import linear_logprobs
 
@@ -102,6 +113,8 @@ def distill_fn(variant: str) -> Callable[..., Tensor]:
     """``(hidden, weight, teacher_hidden, teacher_weight, labels) -> loss`` (0-d) of one distill variant."""
     if variant == "naive_eager":
         return _naive_jsd
+    if variant == "naive_compiled":
+        return torch.compile(_naive_jsd)
     if variant in ("packloss_fused", "packloss_fused_compiled"):
         from packloss.vocab import linear_distill
 
@@ -148,21 +161,20 @@ def check_fused(kind: str, variants: list[str], n: int, h: int, v: int, device: 
     return errors
 
 
-def _peak_and_time(step: Callable[[], None], device: str, repeat: int, warm: bool) -> dict:
-    """Peak memory of one ``step()`` (after a warm-up call when ``warm``: compilation stays outside the
-    measured peak) and the median time of ``repeat`` more."""
-    if warm:
-        step()
-        release_freed_memory(device)
-    base = reset_peak(device)
+def _peak_and_times(step: Callable[[], None], device: str, repeat: int) -> dict:
+    """Peak memory of one ``step()`` after a warm-up call (compilation and first-touch pages stay outside
+    the measured peak), and the times of that call and ``repeat − 1`` more."""
     step()
+    release_freed_memory(device)
+    base = reset_peak(device)
+    first = time_ms(step, device, warmup=0, repeat=1)
     peak = peak_bytes(device) - base
-    return {"time_ms": time_ms(step, device, warmup=0, repeat=repeat), "peak_bytes": peak}
+    return {"times_ms": [first, *(time_ms(step, device, warmup=0, repeat=1) for _ in range(repeat - 1))],
+            "peak_bytes": peak}  # fmt: skip
 
 
 def measure_fused(kind: str, variant: str, n: int, h: int, v: int, device: str, repeat: int, threads: int) -> dict:
-    """In a fresh process: peak memory of one forward+backward (after a warm-up that compiles) and the
-    median time of ``repeat`` more; ``value``: the summed output."""
+    """In a fresh process: :func:`_peak_and_times` of one forward+backward; ``value``: the summed output."""
     torch.set_num_threads(threads)
     inputs = _head_inputs(n, h, v, device, 0) if kind == "head" else _distill_inputs(n, h, v, device, 0)
     fn = head_fn(variant) if kind == "head" else distill_fn(variant)
@@ -174,13 +186,41 @@ def measure_fused(kind: str, variant: str, n: int, h: int, v: int, device: str, 
         torch.autograd.grad(out, [hidden, weight])
         value[:] = [float(out.detach())]
 
-    return _peak_and_time(step, device, repeat, warm=variant != "naive_eager") | {"value": value[0]}
+    return _peak_and_times(step, device, repeat) | {"value": value[0]}
 
 
-def run_fused(kind: str, shape: tuple[int, int, int], check_shape: tuple[int, int, int], repeat: int, device: str,
-              progress, notes: list[str], compiled: bool = True) -> list[dict]:  # fmt: skip
-    """``head`` or ``distill``: the variants whose modules import (packloss's compiled ones only with
-    ``compiled``), checked, then each in a fresh process; every packloss row gets its ratios to each peer."""
+def _rounds(target: str, variants: list[str], kwargs: dict, rounds: int, progress, label: str) -> dict[str, dict]:
+    """Each variant measured in ``rounds`` fresh processes, round-robin (so that a slow spell of the
+    machine hits every variant alike): ``time_ms`` the median over every timed call, ``time_min_ms`` /
+    ``time_max_ms`` the fastest and slowest process's median, ``peak_bytes`` the largest process's."""
+    runs: dict[str, list[dict]] = {variant: [] for variant in variants}
+    for r in range(rounds):
+        for variant in variants:
+            progress(f"peers {label} {variant} ({r + 1}/{rounds})")
+            runs[variant].append(run_fresh(target, kwargs | {"variant": variant}))
+    out = {}
+    for variant, results in runs.items():
+        medians = [statistics.median(x["times_ms"]) for x in results]
+        out[variant] = {
+            "time_ms": statistics.median(t for x in results for t in x["times_ms"]),
+            "time_min_ms": min(medians),
+            "time_max_ms": max(medians),
+            "peak_bytes": max(x["peak_bytes"] for x in results),
+            **{k: v for k, v in results[0].items() if k not in ("times_ms", "peak_bytes")},
+        }
+    return out
+
+
+def _shape(shape: tuple[int, int, int]) -> str:
+    n, h, v = shape
+    return f"N={n},H={h},V={v}"
+
+
+def run_fused(kind: str, shapes: list[tuple[int, int, int]], check_shape: tuple[int, int, int], repeat: int,
+              rounds: int, device: str, progress, notes: list[str], compiled: bool = True) -> list[dict]:  # fmt: skip
+    """``head`` or ``distill``: the variants whose modules import (the compiled ones only with
+    ``compiled``), checked, then measured at each shape (:func:`_rounds`); every packloss row gets its
+    ratios to each peer and to the compiled naive loss, every row its ratios to the eager naive one."""
     table = HEAD_VARIANTS if kind == "head" else DISTILL_VARIANTS
     variants = []
     for variant, module in table.items():
@@ -193,23 +233,24 @@ def run_fused(kind: str, shape: tuple[int, int, int], check_shape: tuple[int, in
             notes.append(f"{kind}/{variant}: {why}")
     progress(f"peers {kind} check")
     errors = check_fused(kind, variants, *check_shape, device)
-    n, h, v = shape
     rows = []
-    for variant in variants:
-        progress(f"peers {kind} {variant}")
-        kwargs = dict(kind=kind, variant=variant, n=n, h=h, v=v, device=device, repeat=repeat,
-                      threads=torch.get_num_threads())  # fmt: skip
-        out = run_fresh("packloss.tools.bench.peers_vocab:measure_fused", kwargs)
-        rows.append({"comparison": kind, "shape": f"N={n},H={h},V={v}", "variant": variant, **out})
-    naive = rows[0]  # naive_eager: always available
-    for row in rows[1:]:
-        row["time_vs_naive"] = row["time_ms"] / naive["time_ms"]
-        row["peak_vs_naive"] = row["peak_bytes"] / max(naive["peak_bytes"], 1)
-        row["max_rel_err"] = errors[row["variant"]]
-    for ours in (r for r in rows if r["variant"].startswith("packloss_")):
-        for peer in (r for r in rows if table[r["variant"]] is not None):
-            ours[f"time_vs_{peer['variant']}"] = ours["time_ms"] / peer["time_ms"]
-            ours[f"peak_vs_{peer['variant']}"] = ours["peak_bytes"] / max(peer["peak_bytes"], 1)
+    for shape in shapes:
+        n, h, v = shape
+        kwargs = dict(kind=kind, n=n, h=h, v=v, device=device, repeat=repeat, threads=torch.get_num_threads())
+        target = "packloss.tools.bench.peers_vocab:measure_fused"
+        measured = _rounds(target, variants, kwargs, rounds, progress, f"{kind} {_shape(shape)}")
+        shape_rows = [{"comparison": kind, "shape": _shape(shape), "variant": k, **out} for k, out in measured.items()]
+        naive = shape_rows[0]  # naive_eager: always available
+        for row in shape_rows[1:]:
+            row["time_vs_naive"] = row["time_ms"] / naive["time_ms"]
+            row["peak_vs_naive"] = row["peak_bytes"] / max(naive["peak_bytes"], 1)
+            row["max_rel_err"] = errors[row["variant"]]
+        baselines = [r for r in shape_rows[1:] if not r["variant"].startswith("packloss_")]
+        for ours in (r for r in shape_rows if r["variant"].startswith("packloss_")):
+            for base in baselines:
+                ours[f"time_vs_{base['variant']}"] = ours["time_ms"] / base["time_ms"]
+                ours[f"peak_vs_{base['variant']}"] = ours["peak_bytes"] / max(base["peak_bytes"], 1)
+        rows.extend(shape_rows)
     return rows
 
 
@@ -253,7 +294,7 @@ def head_matmuls(variant: str) -> Callable[[Tensor, Tensor], None]:
 
 
 def measure_floor(variant: str, n: int, h: int, v: int, device: str, repeat: int, threads: int) -> dict:
-    """In a fresh process: :func:`head_matmuls` ``variant``'s peak memory and median time."""
+    """In a fresh process: :func:`head_matmuls` ``variant``'s peak memory and times (:func:`_peak_and_times`)."""
     torch.set_num_threads(threads)
     hidden, weight, _ = _head_inputs(n, h, v, device, 0)
     fn = head_matmuls(variant)
@@ -262,20 +303,23 @@ def measure_floor(variant: str, n: int, h: int, v: int, device: str, repeat: int
         with torch.no_grad():
             fn(hidden, weight)
 
-    return _peak_and_time(step, device, repeat, warm=True)
+    return _peak_and_times(step, device, repeat)
 
 
 def run_head_floors(
-    shape: tuple[int, int, int], repeat: int, device: str, progress, head_rows: list[dict]
+    shapes: list[tuple[int, int, int]], repeat: int, rounds: int, device: str, progress, head_rows: list[dict]
 ) -> list[dict]:
-    """The ``head floor`` rows at the head's timed shape, each divided by every ``head`` row's time."""
-    n, h, v = shape
+    """The ``head floor`` rows at each of the head's timed shapes, each divided by every ``head`` row's
+    time at that shape."""
     rows = []
-    for variant in HEAD_FLOORS:
-        progress(f"peers head floor {variant}")
-        kwargs = dict(variant=variant, n=n, h=h, v=v, device=device, repeat=repeat, threads=torch.get_num_threads())
-        out = run_fresh("packloss.tools.bench.peers_vocab:measure_floor", kwargs)
-        row = {"comparison": "head floor", "shape": f"N={n},H={h},V={v}", "variant": variant, **out}
-        row |= {f"time_vs_{r['variant']}": out["time_ms"] / r["time_ms"] for r in head_rows}
-        rows.append(row)
+    for shape in shapes:
+        n, h, v = shape
+        kwargs = dict(n=n, h=h, v=v, device=device, repeat=repeat, threads=torch.get_num_threads())
+        target = "packloss.tools.bench.peers_vocab:measure_floor"
+        measured = _rounds(target, list(HEAD_FLOORS), kwargs, rounds, progress, f"head floor {_shape(shape)}")
+        heads = [r for r in head_rows if r["shape"] == _shape(shape)]
+        for variant, out in measured.items():
+            row = {"comparison": "head floor", "shape": _shape(shape), "variant": variant, **out}
+            row |= {f"time_vs_{r['variant']}": out["time_ms"] / r["time_ms"] for r in heads}
+            rows.append(row)
     return rows
