@@ -1,6 +1,6 @@
 """packloss: sync-free, vectorised losses for LLM post-training on packed micro-batches."""
 
-from packloss.core.advantages import group_advantages
+from packloss.core.advantages import gae_advantages, group_advantages
 from packloss.core.bin import (
     Aggregation,
     Component,
@@ -64,6 +64,7 @@ __all__ = [
     "Layout",
     "PaddedLayout",
     "group_advantages",
+    "gae_advantages",
 ]
 
 __version__ = "0.3.0"

@@ -461,6 +461,30 @@ def test_metrics_under_verl_names_equal_verl(mode):
     assert any(k.startswith("actor/packloss/") for k in ours)
 
 
+@pytest.mark.parametrize(
+    "loss_type, rc",
+    [
+        ("ppo_clip", {"rollout_is": "token", "rollout_is_threshold": 2.0}),
+        ("ppo_clip", {"rollout_rs": "token_k1", "rollout_rs_threshold": "0.6_2.5"}),
+        ("reinforce", {"rollout_is": "sequence", "rollout_is_threshold": "0.5_5.0"}),
+    ],
+)
+def test_bypass_mode_returns_verls_rollout_corr_diagnostics(loss_type, rc):
+    """packloss_bypass_mode returns every metric verl's bypass_mode returns, ``rollout_corr/*`` included,
+    with verl's values."""
+    rc = RolloutCorrectionConfig(bypass_mode=True, loss_type=loss_type, **({"rollout_is": None} | rc))
+    cfg = actor_config(f"bypass:{loss_type}", "token-mean", kl=None, entropy=0.0, rollout=rc)
+    b = make_batch(310, rows=8, empty=(2,))
+    lp, _ = leaves(b)
+    info = dict(dp_size=1, batch_num_tokens=int(b.mask.sum()), global_batch_size=8)
+    _, native = direct_call("bypass_mode", cfg, b, lp, **info)
+    _, ours = direct_call(PREFIX + "bypass_mode", cfg, b, lp, **info)
+    diagnostics = {k for k in native if k.startswith("rollout_corr/")}
+    assert len(diagnostics) >= 5 and set(native) <= set(ours), sorted(set(native) - set(ours))
+    for key in sorted(diagnostics):
+        assert float(ours[key]) == pytest.approx(native[key], rel=1e-6, abs=1e-9), key
+
+
 def random_padded(rows: int, width: int = 16, seed: int = 0) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     lens = torch.randint(1, width + 1, (rows, 1), generator=g)
@@ -487,8 +511,10 @@ def random_padded(rows: int, width: int = 16, seed: int = 0) -> dict[str, torch.
         ("topr", "seq-mean-token-sum"),
     ],
 )
-def test_sync_free_and_flat_in_the_number_of_rows(mode, agg):
-    """Forward and backward with no device→host read and the same op count for 2, 8 and 32 rows."""
+def test_sync_free_and_flat_in_the_number_of_rows(monkeypatch, mode, agg):
+    """Forward and backward with no device→host read and the same op count for 2, 8 and 32 rows
+    (bypass mode's loss: verl's ``rollout_corr/*`` diagnostics are host floats from verl's own helper)."""
+    monkeypatch.setattr(verl_plugin, "rollout_corr_metrics", lambda *a: {})
     counts = set()
     name = "bypass:ppo_clip" if mode == "bypass_mode" else mode
     cfg = actor_config(name, agg, kl=None, entropy=0.0)

@@ -32,7 +32,8 @@ from packloss.integrations.common.metrics import RenameTable, component_metrics,
 from packloss.integrations.common.padded import PaddedBatch, check_padded, log_ratio_mean
 from packloss.integrations.verl.config import LOSS_AGG_MODES, LOSS_MODES, clip_range, from_verl
 
-__all__ = ["PREFIX", "REGISTERED", "register", "register_objective", "policy_loss", "packloss_policy_loss"]
+__all__ = ["PREFIX", "REGISTERED", "register", "register_objective", "policy_loss", "packloss_policy_loss",
+           "rollout_corr_metrics"]  # fmt: skip
 
 logger = logging.getLogger(__name__)
 
@@ -179,8 +180,9 @@ def packloss_policy_loss(
     """The policy loss of ``mode`` (a verl loss mode or a packloss-only objective, without the prefix)
     on verl's padded micro-batch, as verl's ``ppo_loss`` calls a policy loss: tensors ``[B, T]``
     (``log_prob`` carries the gradient; ``response_mask`` read as bool), ``config`` the actor config with
-    its ``global_batch_info``. Returns ``(loss, metrics)``, 0-d tensors; no host read; the op count
-    does not depend on ``B``. ``rollout_is_weights`` scale each token's loss without changing the
+    its ``global_batch_info``. Returns ``(loss, metrics)``, 0-d tensors (``bypass_mode`` adds verl's
+    ``rollout_corr/*`` floats: :func:`rollout_corr_metrics`); the loss reads nothing on the host and
+    its op count does not depend on ``B``. ``rollout_is_weights`` scale each token's loss without changing the
     members (verl's); ``bypass_mode`` ignores them (verl computes its own from ``log_prob``)."""
     if config is None:
         raise ValueError("config must be verl's actor config (ActorConfig, DictConfig or dict), got None")
@@ -218,7 +220,34 @@ def packloss_policy_loss(
     base = plan.rollout_logprobs if rollout else plan.old_logprobs
     metrics = {"actor/ppo_kl": own.get("abs_log_ratio", log_ratio_mean(batch.members, base, outputs.logprobs))}
     metrics.update(peer_metrics(own, CLIP_FRACTIONS.get(type(objective.trust_region), {}), rest="actor/packloss/"))
+    if mode == "bypass_mode":
+        metrics.update(rollout_corr_metrics(c, old_log_prob, log_prob, response_mask))
     return total, metrics
+
+
+def rollout_corr_metrics(
+    c: ConfigReader, rollout_log_prob: Tensor, log_prob: Tensor, response_mask: Tensor
+) -> dict[str, float]:
+    """The ``rollout_corr/*`` diagnostics verl's ``bypass_mode`` merges into its metrics, from verl's own
+    ``compute_rollout_correction_and_rejection_mask`` on ``policy_loss.rollout_correction``, without
+    gradient. verl's helper returns host floats: this is the plugin's one device→host read, for metrics
+    only (the loss and its gradient read nothing)."""
+    # verl imports this plugin while it is itself importing: its helper is reachable only at call time
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask
+
+    r = c.section("policy_loss").section("rollout_correction")
+    with torch.no_grad():
+        _, _, metrics = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=log_prob.detach(),
+            rollout_log_prob=rollout_log_prob,
+            response_mask=response_mask,
+            rollout_is=r.get("rollout_is", None),
+            rollout_is_threshold=r.get("rollout_is_threshold", 2.0),
+            rollout_is_batch_normalize=r.get("rollout_is_batch_normalize", False),
+            rollout_rs=r.get("rollout_rs", None),
+            rollout_rs_threshold=r.get("rollout_rs_threshold", None),
+        )
+    return metrics
 
 
 def policy_loss(mode: str) -> Callable[..., tuple[Tensor, dict[str, Tensor]]]:
