@@ -112,3 +112,13 @@ def test_penalty_streams_are_required():
 def test_kl_validation(build, error, match):
     with pytest.raises(error, match=match):
         build()
+
+
+@pytest.mark.parametrize("kind", ["k1+", "k3+"])
+def test_straight_through_estimators_have_one_value_and_k2s_gradient(kind):
+    """``k1+`` / ``k3+``: the value of k1 / k3, the gradient of k2 (``x``), at every ``x``."""
+    x = torch.tensor([-3.0, -0.5, 0.0, 0.7, 4.0], dtype=torch.float64, requires_grad=True)
+    value = kl_estimate(kind, x)
+    torch.testing.assert_close(value, kl_estimate(kind[:-1], x.detach()), rtol=0, atol=0)
+    (grad,) = torch.autograd.grad(value.sum(), x)
+    torch.testing.assert_close(grad, x.detach(), rtol=0, atol=1e-15)

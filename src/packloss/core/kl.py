@@ -17,14 +17,19 @@ from packloss.core.segments import broadcast, segment_mean
 
 __all__ = ["KL_ESTIMATORS", "KL_AGAINST", "kl_estimate", "KLPenalty", "RatioWeightedKL"]
 
-KL_ESTIMATORS = ("squared_log_ratio", "k1", "k2", "k3")
+KL_ESTIMATORS = ("squared_log_ratio", "k1", "k2", "k3", "k1+", "k3+")
 KL_AGAINST = ("ref", "rollout", "old")
 LEVELS = ("token", "sequence")
 
 
 def kl_estimate(kind: str, x: Tensor) -> Tensor:
     """``K(x)``: ``squared_log_ratio`` ``x²``, ``k1`` ``−x``, ``k2`` ``x²/2``, ``k3`` ``eˣ − x − 1``;
-    differentiable.  ``[N] → [N]``."""
+    ``k1+`` / ``k3+`` straight-through: the value of ``k1`` / ``k3`` with the gradient of ``k2``
+    (``x − sg(x)`` of ``x²/2`` plus the detached value; k1 and k3 are unbiased for the KL's value, k2's
+    gradient for its gradient; verl's ``kl_loss_type`` ``k1+``, ``k3+``). Differentiable. ``[N] → [N]``."""
+    if kind.endswith("+"):
+        through = 0.5 * x**2
+        return through - through.detach() + kl_estimate(kind[:-1], x.detach())
     if kind == "squared_log_ratio":
         return x**2
     if kind == "k1":

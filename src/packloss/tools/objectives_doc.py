@@ -93,8 +93,9 @@ log r  = where(m, trn − base, 0)          r = exp(log r)          A' = adv_coe
 weight of `π_old/π_rollout`, or `sg(π_θ)/π_rollout` without an old stream, truncated or masked, per
 token or per sequence, constant in θ, on the policy-gradient term only) and each `KLPenalty(coef,
 estimator, against)` adds `coef · K(x)` with `x = ref − trn` (`against="ref"`), `trn − inf`
-(`"rollout"`) or `trn − old` (`"old"`); `K` is `squared_log_ratio` `x²`, `k1` `−x`, `k2` `x²/2` or
-`k3` `eˣ − x − 1`. The engine then applies the component's weights and normalisation. No part carries
+(`"rollout"`) or `trn − old` (`"old"`); `K` is `squared_log_ratio` `x²`, `k1` `−x`, `k2` `x²/2`,
+`k3` `eˣ − x − 1`, or straight-through `k1+` / `k3+` (the value of k1 / k3, the gradient of k2, as verl's
+`kl_loss_type`). The engine then applies the component's weights and normalisation. No part carries
 a term its source does not have: only prime-rl's `DPPO`, `IPO` and `REF_KL` have the drift penalty
 `KLPenalty(1e-3, "squared_log_ratio", "rollout")`.
 """

@@ -52,7 +52,7 @@ MODES = [
 ]
 
 
-KL_TYPES = ["low_var_kl", "k1", "k2", "mse", "kl", "k3", "k2+"]
+KL_TYPES = ["low_var_kl", "k1", "k2", "mse", "kl", "k3", "k2+", "k3+", "k1+", "low_var_kl+"]
 
 
 REGION_OF = {"gpg": "gpg", "sapo": "sapo", "geo_mean": "geo_mean", "dppo_tv": "dppo_tv", "dppo_kl": "dppo_kl"}

@@ -45,14 +45,11 @@ LOSS_MODES = ("vanilla", "gspo", "cispo", "gpg", "sapo", "geo_mean", "dppo_tv", 
 
 # verl's x is log π − ref (k1 = x, k2 = x²/2, k3 = e^−x + x − 1), packloss's ref − log π: the same
 # functions. "k2+"/"mse+" is verl's straight-through with the k2 gradient under the k2 value: k2.
-KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "mse+": "k2", "k2+": "k2", "low_var_kl": "k3", "k3": "k3"}
+KL_TYPES = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "mse+": "k2", "k2+": "k2", "low_var_kl": "k3", "k3": "k3",
+            "kl+": "k1+", "k1+": "k1+", "low_var_kl+": "k3+", "k3+": "k3+"}  # fmt: skip
 KL_UNMAPPED = {
     "abs": "|log π − ref| has no packloss estimator",
     "full": "verl itself raises NotImplementedError for 'full'",
-    "kl+": "straight-through (k1 value, k2 gradient) has no packloss estimator",
-    "k1+": "straight-through (k1 value, k2 gradient) has no packloss estimator",
-    "low_var_kl+": "straight-through (k3 value, k2 gradient) has no packloss estimator",
-    "k3+": "straight-through (k3 value, k2 gradient) has no packloss estimator",
 }
 LOSS_TYPES = ("ppo_clip", "reinforce")
 """``rollout_correction.loss_type`` of bypass mode."""
@@ -408,6 +405,8 @@ def _from_verl(
         x_lo, x_hi = k3_band(K3_CAP)
         notes.append(f"verl clamps low_var_kl/k3 to ≤ {K3_CAP:g} (no gradient for ref − log π > {x_hi:.4f} "
                      f"or < {max(x_lo, -20.0):.4g})")  # fmt: skip
+    if kl is not None and kl.estimator == "k3+":
+        notes.append(f"verl clamps the k3+ value to ≤ {K3_CAP:g} (the value only: its gradient, k2's, is packloss's)")
     if normalize in (Normalize.SEQUENCE_SUM, Normalize.SEQUENCE_MEAN) or objective.own_normalization:
         notes.append("verl's seq-mean divides by ppo_mini_batch_size × rollout_n, also sequences without members")
     pg_normalize = objective.own_normalization or normalize
