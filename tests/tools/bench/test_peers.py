@@ -68,7 +68,7 @@ def test_tiny_run_has_a_checked_row_per_variant_and_ratios(tiny_run):
 
 def test_one_table_per_comparison_and_json(tiny_run):
     result, text, payload = tiny_run
-    for comparison in (*RL_COMPARISONS, "head", "head floor", "distill"):
+    for comparison in (*RL_COMPARISONS, "gae·verl", "head", "head floor", "distill"):
         assert f"packloss bench peers: {comparison}" in text
     assert payload["suites"]["peers"]["rows"] == json.loads(json.dumps(result["rows"]))
     for note in result["notes"]:  # cut-cross-entropy / Liger when not installed

@@ -11,6 +11,7 @@ from importlib import metadata
 
 import torch
 
+from packloss.tools.bench.peers_gae import run_gae
 from packloss.tools.bench.peers_rl import METRIC_ATOL, RL_RTOL, run_rl
 from packloss.tools.bench.peers_vocab import HEAD_RTOL, JSD_BETA, run_fused, run_head_floors
 
@@ -53,6 +54,7 @@ def run(device: str, quick: bool, progress: Callable[[str], None] | None = None,
     report = progress or (lambda _description: None)
     notes: list[str] = []
     rows = run_rl(list(s.rl_shapes), s.compiled, s.rl_warmup, s.rl_repeat, report, notes)
+    rows.extend(run_gae(list(s.rl_shapes), s.rl_warmup, s.rl_repeat, report, notes))
     for kind in ("head", "distill"):
         shapes = list(s.fused_shapes)
         repeats = (s.fused_repeat, s.fused_rounds)
