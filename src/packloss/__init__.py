@@ -8,15 +8,16 @@ from packloss.core.bin import (
     ComponentOutput,
     Normalize,
     Objective,
-    Outputs,
     Plan,
 )
+from packloss.core.context_parallel import ContextShard
 from packloss.core.corrections import GatedCorrection, RolloutCorrection
 from packloss.core.engine import LossResult, compute_loss
 from packloss.core.entropy import AdaptiveEntropy, Entropy
 from packloss.core.kl import KLPenalty, RatioWeightedKL
 from packloss.core.layout import Layout, PaddedLayout
 from packloss.core.metrics import all_reduce_metrics, merge_metrics
+from packloss.core.outputs import Outputs
 from packloss.core.pg import DPPO, IPO, REF_KL, PolicyGradient
 from packloss.core.recipe import POLICY, PRESETS, Recipe, preset
 from packloss.core.sft import SFT
@@ -28,6 +29,7 @@ __all__ = [
     "Plan",
     "Component",
     "Outputs",
+    "ContextShard",
     "compute_loss",
     "LossResult",
     "Normalize",

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from packloss.core.bin import Component, Outputs, Plan
+from packloss.core.bin import Component, Plan
 from packloss.core.engine import compute_loss
+from packloss.core.outputs import Outputs
 from packloss.vocab import VocabDistill, VocabParallel
 
 SEQ_LENS = [4, 1, 6, 3]  # N = 14, the second sequence has no member

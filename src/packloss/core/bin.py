@@ -15,9 +15,12 @@ import torch
 from torch import Tensor
 
 from packloss.core import checks
+from packloss.core.context_parallel import ContextShard
 from packloss.core.dtypes import upcast
 from packloss.core.layout import Layout, check_seq_lens
 from packloss.core.metrics import masked_mean
+from packloss.core.outputs import Outputs
+from packloss.core.segments import Segments
 from packloss.core.trust_regions.base import SelectionStreams, StepSelector
 
 __all__ = [
@@ -25,7 +28,6 @@ __all__ = [
     "Objective",
     "Component",
     "Plan",
-    "Outputs",
     "Aggregation",
     "Selection",
     "ComponentInputs",
@@ -35,7 +37,6 @@ __all__ = [
 
 LOGPROB_STREAMS = ("rollout_logprobs", "old_logprobs", "ref_logprobs")
 TOKEN_STREAMS = (*LOGPROB_STREAMS, "advantages")
-OUTPUT_DIMS = {"logprobs": 1, "entropy": 1, "logits": 2, "hidden": 2}
 
 
 class Normalize(str, enum.Enum):
@@ -173,6 +174,8 @@ class Plan:
         group_ids: host ints, the prompt group of every sequence (``[S]``, ``≥ 0``, global over the
             step), for ``normalize="group_mean"``.
         old_logprobs: ``[N]``, log-probs under the old / proximal policy (absent: on-policy).
+        shard: a :class:`~packloss.ContextShard` when the bin is split across context-parallel ranks:
+            ``seq_lens`` is then the whole bin's and every stream holds the shard's ``N_r`` tokens.
 
     Derived: ``layout``, ``num_seqs``, ``num_tokens``, ``members[name]`` (``[N]`` bool),
     ``weights[name]`` (``[N]`` zero off the members, or None), ``group_index`` (``[N]`` long or None).
@@ -188,6 +191,7 @@ class Plan:
     teacher_weight: Tensor | None = None
     group_ids: Sequence[int] | None = None
     old_logprobs: Tensor | None = None
+    shard: ContextShard | None = None
     layout: Layout = field(init=False, repr=False)
     members: dict[str, Tensor] = field(init=False, repr=False)
     weights: dict[str, Tensor | None] = field(init=False, repr=False)
@@ -209,14 +213,21 @@ class Plan:
         lens = check_seq_lens(self.seq_lens)
         object.__setattr__(self, "seq_lens", lens)
         n = sum(lens)
+        if self.shard is not None:
+            if not isinstance(self.shard, ContextShard):
+                raise TypeError(f"shard must be a ContextShard or None, got {type(self.shard).__name__}")
+            if self.shard.seq_lens != lens:
+                raise ValueError("seq_lens must be the whole bin's, as the shard's: they differ")
+            n = self.shard.num_tokens
         first_name, first = next(
             (f"components[{k!r}].mask", c.mask) if c.mask is not None else (f"components[{k!r}].weights", c.weights)
             for k, c in self.components.items()
         )
         if first.dim() == 1 and first.shape[0] != n:
-            raise ValueError(f"seq_lens sums to {n} but {first_name} holds {first.shape[0]}")
+            held = f"the shard holds {n} tokens" if self.shard is not None else f"seq_lens sums to {n}"
+            raise ValueError(f"{held} but {first_name} holds {first.shape[0]}")
         self._check_tensors(n, first.device)
-        layout = Layout.build(lens, first.device)
+        layout = Layout.build(lens, first.device) if self.shard is None else self.shard.layout(first.device)
         object.__setattr__(self, "layout", layout)
         group_index = None
         if self.group_ids is not None:
@@ -324,65 +335,6 @@ class Plan:
 
 
 @dataclass(frozen=True, eq=False)
-class Outputs:
-    """What the forward produced for a bin (give what the components use): ``logprobs [N]`` the
-    trainer's log-probs of the sampled tokens, ``entropy [N]``, ``logits [N, V]`` student logits, or
-    ``hidden [N, H]`` with ``head_weight [V, H]`` (the fused head: the ``N × V`` logits never exist)."""
-
-    logprobs: Tensor | None = None
-    entropy: Tensor | None = None
-    logits: Tensor | None = None
-    hidden: Tensor | None = None
-    head_weight: Tensor | None = None
-
-    def __post_init__(self) -> None:
-        for name in (*OUTPUT_DIMS, "head_weight"):
-            value = getattr(self, name)
-            if value is not None:
-                checks.tensor(f"outputs.{name}", value, floating=True)
-        if (self.hidden is None) != (self.head_weight is None):
-            raise ValueError("outputs.hidden and outputs.head_weight go together: give both or neither")
-        if self.hidden is not None and (
-            self.head_weight.dim() != 2 or self.head_weight.shape[1] != self.hidden.shape[-1]
-        ):
-            raise ValueError(
-                f"outputs.head_weight must be [V, H] with H={self.hidden.shape[-1]}, got {list(self.head_weight.shape)}"
-            )
-
-    def check(self, plan: Plan) -> None:
-        """Raise unless every given output is ``[N]`` / ``[N, ·]`` for the plan's N and on its device."""
-        n = plan.num_tokens
-        for name, dims in OUTPUT_DIMS.items():
-            value = getattr(self, name)
-            if value is None:
-                continue
-            if value.dim() != dims or value.shape[0] != n:
-                want = "[N]" if dims == 1 else "[N, ·]"
-                raise ValueError(f"outputs.{name} must have shape {want} with N={n}, got {list(value.shape)}")
-            if value.device != plan.device:
-                raise ValueError(f"outputs.{name} is on {value.device} but the plan is on {plan.device}")
-        checks.same_device("the plan", plan.device, **{"outputs.head_weight": self.head_weight})
-
-    def require(self, name: str, component: str) -> Tensor:
-        """The output ``name``, or a ``ValueError`` naming the component that needs it."""
-        value = getattr(self, name)
-        if value is None:
-            raise ValueError(f"component {component!r} needs outputs.{name}, got None")
-        return value
-
-    def anchor(self) -> Tensor | None:
-        """A float32 zero attached to every given output's graph, reading no value (sums over empty
-        slices): keeps the loss backward-able on every rank when no component's term is attached."""
-        zero = None
-        for name in (*OUTPUT_DIMS, "head_weight"):
-            value = getattr(self, name)
-            if value is not None and value.requires_grad:
-                part = value[:0].sum(dtype=torch.float32)
-                zero = part if zero is None else zero + part
-        return zero
-
-
-@dataclass(frozen=True, eq=False)
 class Aggregation:
     """How a component's per-token loss becomes its term: ``Σ_t m_t · w_t · ℓ_t / d_t / D`` with
     ``mask [N]`` bool, ``weights [N]`` (zero off the members) or None, ``divisor [N]`` (≥ 1) or
@@ -471,12 +423,17 @@ class ComponentInputs:
         return self.plan.layout.cu_seqlens
 
     @property
+    def segments(self) -> Segments:
+        """The bin's per-sequence reductions (exact across context-parallel ranks)."""
+        return self.plan.layout.segments
+
+    @property
     def num_seqs(self) -> int:
         return self.plan.num_seqs
 
     def mean(self, values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """:func:`masked_mean` with this bin's layout and metrics mode."""
-        return masked_mean(values, mask, self.seq_ids, self.num_seqs, self.per_sequence_metrics)
+        return masked_mean(values, mask, self.segments, self.per_sequence_metrics)
 
 
 @dataclass

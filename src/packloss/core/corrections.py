@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from packloss.core import checks
-from packloss.core.segments import broadcast, segment_mean, segment_sum
+from packloss.core.segments import Segments
 
 __all__ = ["RolloutCorrection", "GatedCorrection"]
 
@@ -54,17 +54,15 @@ class RolloutCorrection:
             raise ValueError(f"RolloutCorrection.low must be in [0, high) or None, got {self.low}")
         checks.flag("RolloutCorrection.weighted", self.weighted)
 
-    def weights(
-        self, numerator: Tensor, rollout: Tensor, m: Tensor, seq_ids: Tensor, num_seqs: int
-    ) -> tuple[Tensor, Metrics]:
+    def weights(self, numerator: Tensor, rollout: Tensor, m: Tensor, segments: Segments) -> tuple[Tensor, Metrics]:
         """``(c [N], metrics)`` from the detached ``numerator`` and ``rollout`` log-probs ``[N]``."""
         log_rho = torch.where(m, numerator - rollout, 0.0)  # [N]
         if self.level == "sequence":
             if self.sequence_agg == "sum":
-                seq = segment_sum(log_rho, seq_ids, num_seqs)  # [S]
+                seq = segments.sum(log_rho)  # [S]
             else:
-                seq = segment_mean(log_rho, m, seq_ids, num_seqs)[0]  # [S]
-            log_rho = broadcast(seq, seq_ids)  # [N]
+                seq = segments.mean(log_rho, m)[0]  # [S]
+            log_rho = segments.broadcast(seq)  # [N]
         rho = torch.exp(log_rho)  # [N]
         high = rho > self.high
         low = rho < self.low if self.low is not None else torch.zeros_like(m)
@@ -104,12 +102,12 @@ class GatedCorrection(RolloutCorrection):
         if self.mode != "mask" or not self.weighted:
             raise ValueError("GatedCorrection drops the units outside the band: it needs mode='mask', weighted=True")
 
-    def statistic(self, numerator: Tensor, rollout: Tensor, m: Tensor, seq_ids: Tensor, num_seqs: int) -> Tensor:
+    def statistic(self, numerator: Tensor, rollout: Tensor, m: Tensor, segments: Segments) -> Tensor:
         """The gated statistic: ``[N]`` per token (``level="token"``) or ``[S]`` per sequence."""
         if self.gating == "ratio":
             log_rho = torch.where(m, numerator - rollout, 0.0)  # [N]
             if self.level == "sequence":
-                return torch.exp(segment_mean(log_rho, m, seq_ids, num_seqs)[0])  # [S]
+                return torch.exp(segments.mean(log_rho, m)[0])  # [S]
             return torch.exp(log_rho)
         p = torch.exp(torch.where(m, rollout, 0.0)).clamp(_PROB_CLAMP, 1 - _PROB_CLAMP)  # [N]
         q = torch.exp(torch.where(m, numerator, 0.0)).clamp(_PROB_CLAMP, 1 - _PROB_CLAMP)  # [N]
@@ -118,7 +116,7 @@ class GatedCorrection(RolloutCorrection):
         else:
             divergence = (p - q).abs()
         if self.level == "sequence":
-            return segment_mean(divergence, m, seq_ids, num_seqs)[0]  # [S]
+            return segments.mean(divergence, m)[0]  # [S]
         return divergence
 
     def keep(self, stat: Tensor) -> Tensor:
@@ -126,12 +124,10 @@ class GatedCorrection(RolloutCorrection):
         kept = stat <= self.high
         return kept if self.low is None else kept & (stat >= self.low)
 
-    def weights(
-        self, numerator: Tensor, rollout: Tensor, m: Tensor, seq_ids: Tensor, num_seqs: int
-    ) -> tuple[Tensor, Metrics]:
-        kept = self.keep(self.statistic(numerator, rollout, m, seq_ids, num_seqs))  # [N] or [S]
+    def weights(self, numerator: Tensor, rollout: Tensor, m: Tensor, segments: Segments) -> tuple[Tensor, Metrics]:
+        kept = self.keep(self.statistic(numerator, rollout, m, segments))  # [N] or [S]
         if self.level == "sequence":
-            kept = broadcast(kept, seq_ids)  # [N]
+            kept = segments.broadcast(kept)  # [N]
         rho = torch.exp(torch.where(m, numerator - rollout, 0.0))  # [N]
         c = torch.where(m & kept, rho, 0.0)
         return c, {"rollout_is_weight": (c, m), "rollout_is_masked": (~kept, m)}

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from packloss.core.bin import ComponentInputs, ComponentOutput, Outputs, Plan
+from packloss.core.bin import ComponentInputs, ComponentOutput, Plan
 from packloss.core.dtypes import upcast
-from packloss.core.segments import segment_count, segment_sum
+from packloss.core.outputs import Outputs
 from packloss.core.step import StepDenominators, aggregation, bin_selection
 
 __all__ = ["LossResult", "compute_loss"]
@@ -123,15 +123,15 @@ def _collect_metrics(
     """The component's metrics under ``"{name}/"``, and ``"{name}/loss"``, the mean of its masked
     per-token loss ``masked [N]`` over its members."""
     m = inputs.loss_mask
-    if inputs.per_sequence_metrics:
-        members = segment_count(m, inputs.seq_ids, inputs.num_seqs)  # [S]
-        loss_sum = None if masked is None else segment_sum(masked.detach(), inputs.seq_ids, inputs.num_seqs)
+    segments = inputs.segments
+    if masked is None:
+        loss, members = None, segments.count(m) if inputs.per_sequence_metrics else m.sum(dtype=torch.float32)
+    elif inputs.per_sequence_metrics:
+        loss, members = segments.mean(masked.detach(), m)  # [S] each, over the whole bin
     else:
         members = m.sum(dtype=torch.float32)
-        loss_sum = None if masked is None else masked.detach().sum()
-    own = dict(out.metrics)
-    if loss_sum is not None:
-        own = {"loss": loss_sum / members.clamp_min(1), **own}
+        loss = masked.detach().sum() / members.clamp_min(1)
+    own = dict(out.metrics) if loss is None else {"loss": loss, **out.metrics}
     for key, value in own.items():
         full = f"{name}/{key}"
         metrics[full] = value

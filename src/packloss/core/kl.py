@@ -13,7 +13,6 @@ from packloss.core import checks
 from packloss.core.bin import ComponentInputs, ComponentOutput, Objective, Plan
 from packloss.core.dtypes import upcast
 from packloss.core.metrics import metric_means
-from packloss.core.segments import broadcast, segment_mean
 
 __all__ = ["KL_ESTIMATORS", "KL_AGAINST", "kl_estimate", "KLPenalty", "RatioWeightedKL"]
 
@@ -95,11 +94,11 @@ class RatioWeightedKL(Objective):
         base = trn.detach() if old is None else upcast(old.detach())
         log_r = torch.where(m, trn - base, 0.0)  # [N]
         if self.level == "sequence":
-            seq_log_r, _ = segment_mean(log_r, m, inputs.seq_ids, inputs.num_seqs)  # [S]
-            log_r = torch.where(m, broadcast(seq_log_r, inputs.seq_ids), 0.0)
+            seq_log_r, _ = inputs.segments.mean(log_r, m)  # [S]
+            log_r = torch.where(m, inputs.segments.broadcast(seq_log_r), 0.0)
         x = torch.where(m, upcast(inputs.plan.require("ref_logprobs", inputs.name).detach()) - trn, 0.0)
         k3 = torch.exp(x) - x - 1  # [N]
         weighted = torch.exp(log_r) * k3  # [N]
         named = {"ref_kl_penalty": (k3, m), "ratio_weighted_kl": (weighted, m)}
-        metrics, counts = metric_means(named, inputs.seq_ids, inputs.num_seqs, inputs.per_sequence_metrics)
+        metrics, counts = metric_means(named, inputs.segments, inputs.per_sequence_metrics)
         return ComponentOutput(self.coef * weighted, metrics, counts)

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from packloss.core.segments import Segments
+
 __all__ = ["Layout", "PaddedLayout", "check_seq_lens"]
 
 
@@ -52,7 +54,10 @@ class Layout:
     """``seq_lens`` (host ints) and the device tensors derived from them.
 
     ``cu_seqlens [S+1]`` int32 offsets, ``seq_ids [N]`` long (the sequence of every token),
-    ``num_seqs`` (= S, a plain int so that ``torch.compile`` can treat it as dynamic), ``num_tokens``.
+    ``num_seqs`` (= S, a plain int so that ``torch.compile`` can treat it as dynamic), ``num_tokens``,
+    ``segments`` (its per-sequence reductions). A context-parallel shard's layout
+    (:meth:`ContextShard.layout <packloss.ContextShard.layout>`) has the whole bin's ``seq_lens``,
+    ``cu_seqlens`` and ``S``, and ``seq_ids`` / ``num_tokens`` of this rank's ``N_r`` tokens.
     """
 
     seq_lens: tuple[int, ...]
@@ -60,6 +65,12 @@ class Layout:
     seq_ids: Tensor
     num_seqs: int
     num_tokens: int
+    segments: Segments
+
+    @property
+    def sharded(self) -> bool:
+        """Whether the bin's other tokens live on other context-parallel ranks."""
+        return self.segments.sharded
 
     @classmethod
     def build(cls, seq_lens: Sequence[int], device: torch.device | str = "cpu") -> Layout:
@@ -67,16 +78,25 @@ class Layout:
         n = sum(lens)
         cu = _host_ints((0, *itertools.accumulate(lens)), torch.int32)  # [S+1]
         seq_ids = torch.repeat_interleave(torch.arange(len(lens)), _host_ints(lens, torch.int64), output_size=n)  # [N]
-        return cls(lens, cu.to(device), seq_ids.to(device), len(lens), n)
+        seq_ids = seq_ids.to(device)
+        return cls(lens, cu.to(device), seq_ids, len(lens), n, Segments(seq_ids, len(lens)))
+
+    def _whole(self, what: str) -> None:
+        if self.sharded:
+            raise ValueError(f"{what} needs the whole bin; this layout is one context-parallel shard of it")
 
     def broadcast_ints(self, per_seq: Sequence[int], device: torch.device | str) -> Tensor:
         """``[N]`` long: the host ints ``per_seq`` (one per sequence) spread to their tokens."""
+        if self.sharded:
+            values = torch.tensor(list(per_seq), dtype=torch.long).to(self.seq_ids.device)  # [S]
+            return values.index_select(0, self.seq_ids)
         values = torch.tensor(list(per_seq), dtype=torch.long)  # [S]; any Python int (checked by torch)
         lens = _host_ints(self.seq_lens, torch.int64)  # [S]
         return torch.repeat_interleave(values, lens, output_size=self.num_tokens).to(device)
 
     def to_padded(self, stream: Tensor, pad_value: float = 0.0) -> tuple[Tensor, Tensor]:
         """Unpack a ``[N, ...]`` stream to ``([S, T_max, ...] right-padded, attention_mask [S, T_max])``."""
+        self._whole("to_padded")
         if stream.dim() < 1 or stream.shape[0] != self.num_tokens:
             raise ValueError(f"stream must have shape [N, ...] with N={self.num_tokens}, got {tuple(stream.shape)}")
         t_max = max(self.seq_lens)

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from packloss.core.agreement import check_agreement, raised_on_every_rank
 from packloss.core.dtypes import upcast
-from packloss.core.segments import segment_mean
+from packloss.core.segments import Segments
 
 __all__ = ["masked_mean", "metric_means", "merge_metrics", "all_reduce_metrics"]
 
@@ -22,16 +22,18 @@ Metrics = tuple[dict[str, Tensor], dict[str, Tensor]]
 def masked_mean(
     values: Tensor,
     mask: Tensor,
-    seq_ids: Tensor | None = None,
-    num_seqs: int = 1,
+    segments: Segments | None = None,
     per_sequence: bool = False,
     count: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Sync-free mean of ``values [N]`` over ``mask [N]`` and its member count: scalars, or ``([S],
-    [S])`` per sequence. Values off ``mask`` never enter (inf/NaN safe); bools count as 0/1. ``count``
-    (scalar mode) is ``mask.sum()`` when the caller already has it."""
+    """Sync-free mean of ``values [N]`` over ``mask [N]`` and its member count: scalars (this rank's
+    tokens), or ``([S], [S])`` per sequence of ``segments`` (over the whole bin). Values off ``mask``
+    never enter (inf/NaN safe); bools count as 0/1. ``count`` (scalar mode) is ``mask.sum()`` when the
+    caller already has it."""
     if per_sequence:
-        return segment_mean(upcast(values.detach()), mask, seq_ids, num_seqs)
+        if segments is None:
+            raise ValueError("per_sequence=True needs segments")
+        return segments.mean(upcast(values.detach()), mask)
     if count is None:
         count = mask.sum(dtype=torch.float32)
     if values.dtype == torch.bool:  # a fraction: count the members where it holds, no float copy
@@ -41,16 +43,14 @@ def masked_mean(
     return total / count.clamp_min(1), count
 
 
-def metric_means(
-    named: Mapping[str, tuple[Tensor, Tensor]], seq_ids: Tensor, num_seqs: int, per_sequence: bool = False
-) -> Metrics:
+def metric_means(named: Mapping[str, tuple[Tensor, Tensor]], segments: Segments, per_sequence: bool = False) -> Metrics:
     """``(metrics, counts)``: metric ``name`` is the mean of ``values`` over ``mask`` for
     ``{name: (values [N], mask [N])}``; metrics over the same mask share one count."""
     metrics, counts = {}, {}
     seen: list[tuple[Tensor, Tensor]] = []  # (mask, count)
     for key, (values, mask) in named.items():
         count = None if per_sequence else next((c for m, c in seen if m is mask), None)
-        metrics[key], counts[key] = masked_mean(values, mask, seq_ids, num_seqs, per_sequence, count)
+        metrics[key], counts[key] = masked_mean(values, mask, segments, per_sequence, count)
         seen.append((mask, counts[key]))
     return metrics, counts
 

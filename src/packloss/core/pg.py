@@ -21,6 +21,7 @@ from packloss.core.corrections import RolloutCorrection
 from packloss.core.dtypes import finite_exp, upcast
 from packloss.core.kl import KLPenalty, kl_estimate
 from packloss.core.metrics import metric_means
+from packloss.core.segments import Segments
 from packloss.core.trust_regions import (
     DPPOMask,
     IPOMask,
@@ -46,7 +47,7 @@ def _detached(x: Tensor | None) -> Tensor | None:
 class PolicyInputs:
     """The streams a policy-gradient objective reads for one bin (``[N]`` each): members ``m``, the
     trainer's log-probs ``trn`` (with their gradient), the rollout / old / reference log-probs and the
-    advantages (None when absent), the layout, the metrics mode, and the step-wide selection."""
+    advantages (None when absent), the bin's segments, the metrics mode, and the step-wide selection."""
 
     m: Tensor
     trn: Tensor
@@ -54,8 +55,7 @@ class PolicyInputs:
     old: Tensor | None
     ref: Tensor | None
     advantages: Tensor | None
-    seq_ids: Tensor
-    num_seqs: int
+    segments: Segments
     per_sequence_metrics: bool = False
     selection: Selection | None = None
 
@@ -70,8 +70,7 @@ class PolicyInputs:
             old=plan.old_logprobs,
             ref=plan.ref_logprobs,
             advantages=plan.advantages,
-            seq_ids=inputs.seq_ids,
-            num_seqs=inputs.num_seqs,
+            segments=inputs.segments,
             per_sequence_metrics=inputs.per_sequence_metrics,
             selection=inputs.selection,
         )
@@ -187,8 +186,7 @@ def policy_terms(p: PolicyInputs, objective: PolicyGradient) -> PolicyTerms:
         r=finite_exp(log_r),
         adv=adv,
         a=objective.adv_coef * adv,
-        seq_ids=p.seq_ids,
-        num_seqs=p.num_seqs,
+        segments=p.segments,
         old=old,
         rollout=rollout,
         selected=selected,
@@ -229,7 +227,7 @@ def pg_loss(p: PolicyInputs, objective: PolicyGradient) -> ComponentOutput:
         numerator = t.old if objective.ratio == "old" and t.old is not None else t.trn.detach()
         if t.rollout is None:
             raise ValueError("a RolloutCorrection needs rollout_logprobs, got None")
-        weight, correction_metrics = objective.correction.weights(numerator, t.rollout, m, t.seq_ids, t.num_seqs)
+        weight, correction_metrics = objective.correction.weights(numerator, t.rollout, m, t.segments)
         pg = pg * weight
         named.update(correction_metrics)
     per_token = pg
@@ -252,16 +250,21 @@ def pg_loss(p: PolicyInputs, objective: PolicyGradient) -> ComponentOutput:
     if objective.advantage == "ref_kl":
         metrics["ref_kl"] = (t.adv, m)
     metrics.update(named)
-    values, counts = metric_means(metrics, t.seq_ids, t.num_seqs, p.per_sequence_metrics)
+    values, counts = metric_means(metrics, t.segments, p.per_sequence_metrics)
     out = ComponentOutput(per_token, values, counts)
     if result.sequence_ratio is not None:
-        _add_seq_ratio_metrics(out, p.per_sequence_metrics, *result.sequence_ratio)
+        _add_seq_ratio_metrics(out, p.per_sequence_metrics, t.segments, *result.sequence_ratio)
     return out
 
 
-def _add_seq_ratio_metrics(out: ComponentOutput, per_sequence: bool, seq_ratio: Tensor, has_members: Tensor) -> None:
-    """``seq_ratio_mean``/``_min``/``_max`` over the sequences with members (counts: sequences);
-    per sequence they are ``s_i`` itself. ``_min``/``_max`` merge by min/max (:mod:`packloss.core.metrics`)."""
+def _add_seq_ratio_metrics(
+    out: ComponentOutput, per_sequence: bool, segments: Segments, seq_ratio: Tensor, has_members: Tensor
+) -> None:
+    """``seq_ratio_mean``/``_min``/``_max`` over the sequences with members (counts: sequences, each
+    reported by one rank of a context-parallel bin); per sequence they are ``s_i`` itself.
+    ``_min``/``_max`` merge by min/max (:mod:`packloss.core.metrics`)."""
+    if not per_sequence:
+        has_members = segments.reported(has_members)
     n_seqs = has_members.sum(dtype=torch.float32)
     s = seq_ratio.detach()
     if per_sequence:

@@ -3,15 +3,20 @@
 A packed bin of ``N`` tokens holds ``S`` sequences; ``seq_ids`` (``[N]``, long) names the sequence of
 each token. ``S`` is known on the host (it comes from ``seq_lens``), so every output shape is known
 without reading the device: these functions never synchronise, and their number of tensor
-operations does not depend on ``S``.
+operations does not depend on ``S``. :class:`Segments` does the same over a bin split across
+context-parallel ranks (``docs/design.md``, "Context-parallel bins").
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_functional
 from torch import Tensor
 
-__all__ = ["segment_sum", "segment_count", "segment_mean", "segment_max", "segment_min", "broadcast"]
+__all__ = ["Segments", "segment_sum", "segment_count", "segment_mean", "segment_max", "segment_min", "broadcast"]
 
 
 def segment_sum(x: Tensor, seq_ids: Tensor, num_segments: int) -> Tensor:
@@ -56,3 +61,61 @@ def segment_min(x: Tensor, mask: Tensor, seq_ids: Tensor, num_segments: int) -> 
 def broadcast(values: Tensor, seq_ids: Tensor) -> Tensor:
     """Spread per-sequence values back to their tokens: ``out[t] = values[seq_ids[t]]``.  ``[S]`` → ``[N]``."""
     return values.index_select(0, seq_ids)
+
+
+@dataclass(frozen=True, eq=False)
+class Segments:
+    """The sequences of a bin, or of a context-parallel shard of one, for per-sequence reductions.
+
+    ``seq_ids [N]`` (long) names the sequence of each token this rank holds, ``num_seqs`` the bin's
+    ``S``. With ``sharded`` the bin's other tokens live on the ranks of ``group`` (the context-parallel
+    group; None: the default group): every reduction is this rank's partial ``[S]`` result combined
+    by one ``all_reduce`` over ``group`` (differentiable for :meth:`sum` and :meth:`mean`: its backward
+    is one more). ``owned [S]`` bool (or None: all) marks the sequences whose per-sequence values this
+    rank reports in scalar metrics, so that a metric over sequences counts each once over the group.
+    """
+
+    seq_ids: Tensor
+    num_seqs: int
+    sharded: bool = False
+    group: object = None
+    owned: Tensor | None = None
+
+    def across(self, partial: Tensor) -> Tensor:
+        """This rank's additive ``partial`` summed over the ranks holding the bin (itself unless
+        sharded), differentiable."""
+        return dist_functional.all_reduce(partial, group=self.group) if self.sharded else partial
+
+    def sum(self, x: Tensor) -> Tensor:
+        """``out[s] = Σ_{t∈s} x[t]`` over the whole bin.  ``x [N, ...]`` → ``[S, ...]``, differentiable."""
+        return self.across(segment_sum(x, self.seq_ids, self.num_seqs))
+
+    def count(self, mask: Tensor) -> Tensor:
+        """Members per sequence over the whole bin, float32.  ``mask [N]`` bool → ``[S]``."""
+        return self.across(segment_count(mask, self.seq_ids, self.num_seqs))
+
+    def mean(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+        """``(mean [S], count [S])`` over the members of the whole bin, as :func:`segment_mean` (one
+        ``all_reduce`` of both when sharded)."""
+        if not self.sharded:
+            return segment_mean(x, mask, self.seq_ids, self.num_seqs)
+        both = torch.stack([torch.where(mask, x, torch.zeros_like(x)), mask.to(x.dtype)], dim=1)  # [N, 2]
+        total, count = self.sum(both).unbind(1)  # [S] each
+        return total / count.clamp_min(1), count.detach().to(torch.float32)
+
+    def max(self, x: Tensor, mask: Tensor) -> Tensor:
+        """:func:`segment_max` over the whole bin (detached when sharded).  ``[N]`` → ``[S]``."""
+        local = segment_max(x, mask, self.seq_ids, self.num_seqs)
+        if not self.sharded:
+            return local
+        out = local.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.MAX, group=self.group)
+        return out
+
+    def broadcast(self, values: Tensor) -> Tensor:
+        """Per-sequence values spread to this rank's tokens.  ``[S]`` → ``[N]``."""
+        return broadcast(values, self.seq_ids)
+
+    def reported(self, has_members: Tensor) -> Tensor:
+        """``has_members [S]`` restricted to the sequences this rank reports (:attr:`owned`)."""
+        return has_members if self.owned is None else has_members & self.owned

@@ -15,7 +15,6 @@ from torch import Tensor
 
 from packloss.core.agreement import check_agreement, raised_on_every_rank
 from packloss.core.bin import Aggregation, Normalize, Objective, Plan, Selection
-from packloss.core.segments import broadcast, segment_count
 from packloss.core.trust_regions.base import StepSelector
 
 __all__ = ["Mode", "StepSelection", "StepDenominators", "count_denominators", "aggregation", "bin_selection"]
@@ -35,7 +34,9 @@ def _count_size(mode: Normalize, num_groups: int) -> int:
 
 def _local_counts(plan: Plan, name: str, mode: Normalize, num_groups: int, dtype: torch.dtype) -> Tensor:
     """This bin's additive counts of component ``name`` under ``mode`` (see :func:`_count_size`); a
-    bin counts its positions for ``position`` whether it has the component or not."""
+    bin counts its positions for ``position`` whether it has the component or not. A context-parallel
+    shard counts its own tokens and the sequences it reports (:meth:`Segments.reported`), whose
+    member counts take one ``all_reduce`` over its group: the shards' counts sum to the bin's."""
     if mode is Normalize.POSITION:
         return torch.full((1,), float(plan.num_tokens), dtype=dtype, device=plan.device)
     if name not in plan.members:
@@ -44,8 +45,8 @@ def _local_counts(plan: Plan, name: str, mode: Normalize, num_groups: int, dtype
     if mode is Normalize.TOKEN:
         return m.sum(dtype=dtype).reshape(1)
     if mode in (Normalize.SEQUENCE_MEAN, Normalize.SEQUENCE_SUM):
-        per_seq = segment_count(m, plan.layout.seq_ids, plan.num_seqs)  # [S]
-        return (per_seq > 0).sum(dtype=dtype).reshape(1)
+        segments = plan.layout.segments
+        return segments.reported(segments.count(m) > 0).sum(dtype=dtype).reshape(1)
     if mode is Normalize.GROUP_MEAN:
         return torch.zeros(num_groups, dtype=dtype, device=m.device).index_add(0, plan.group_index, m.to(dtype))
     return torch.zeros(0, dtype=dtype, device=m.device)
@@ -303,14 +304,13 @@ def _step_modes(plans: Sequence[Plan], modes: Mapping[str, Normalize | str | Mod
 @dataclass(frozen=True, eq=False)
 class _LocalCounts:
     """What one rank counts before any collective: the step's modes, the components' names (sorted),
-    their count sizes, the selecting components, their sums' sizes and the flat float64 counts."""
+    their count sizes, the selecting components and their sums' sizes."""
 
     modes: dict[str, Mode]
     names: list[str]
     sizes: list[int]
     selecting: dict[str, Objective]
     sums_sizes: list[int]
-    flat: Tensor
     num_groups: int
     device: torch.device | str
 
@@ -362,12 +362,18 @@ def _count_local(
     if selecting and across_ranks:
         _check_max_rank_tokens(plans, max_rank_tokens)
     sums_sizes = [obj.step_selector().num_sums for obj in selecting.values()]
-    flat = torch.zeros(sum(sizes) + sum(sums_sizes), dtype=_F64, device=device)
+    return _LocalCounts(step_modes, names, sizes, selecting, sums_sizes, groups, device)
+
+
+def _flat_counts(plans: Sequence[Plan], local: _LocalCounts) -> Tensor:
+    """This rank's counts and selection sums as one flat float64 tensor. Run after the checks: a
+    context-parallel shard's sequence counts take a collective over its group."""
+    flat = torch.zeros(sum(local.sizes) + sum(local.sums_sizes), dtype=_F64, device=local.device)
     for plan in plans:
-        parts = [_local_counts(plan, k, step_modes[k][0], groups, _F64) for k in names]
-        parts += [_sums(plan, k, obj, device) for k, obj in selecting.items()]
+        parts = [_local_counts(plan, k, local.modes[k][0], local.num_groups, _F64) for k in local.names]
+        parts += [_sums(plan, k, obj, local.device) for k, obj in local.selecting.items()]
         flat = flat + torch.cat(parts)
-    return _LocalCounts(step_modes, names, sizes, selecting, sums_sizes, flat, groups, device)
+    return flat
 
 
 def count_denominators(
@@ -393,16 +399,19 @@ def count_denominators(
     (``docs/design.md``): ranks that disagree, or a rank whose own checks fail, raise the same
     ``ValueError`` on every rank; it is the one host read. A step-wide selection across ranks takes
     one more collective and needs ``max_rank_tokens`` (at least the tokens any rank's plans hold, the
-    same on every rank).
+    same on every rank). Context-parallel shards (plans with ``shard=``) count their sequences with
+    one more ``all_reduce`` per sequence-mode component and shard, over their CP group; ``group`` is
+    then the whole data × context-parallel group.
     """
     agree = all_reduce and check
     with raised_on_every_rank("step components or modes", group, device, enabled=agree):
         local = _count_local(plans, modes, num_groups, device, objectives, max_rank_tokens, all_reduce)
+    if agree:
+        check_agreement(local.description(max_rank_tokens), "step components or modes", local.device, group)
+    flat = _flat_counts(plans, local)
     if all_reduce:
-        if agree:
-            check_agreement(local.description(max_rank_tokens), "step components or modes", local.device, group)
-        dist.all_reduce(local.flat, group=group)
-    pieces = torch.split(local.flat, local.sizes + local.sums_sizes)
+        dist.all_reduce(flat, group=group)
+    pieces = torch.split(flat, local.sizes + local.sums_sizes)
     names = local.names
     counts = dict(zip(names, pieces[: len(names)], strict=True))
     sums = dict(zip(local.selecting, pieces[len(names) :], strict=True))
@@ -428,12 +437,12 @@ def aggregation(plan: Plan, name: str, denominators: StepDenominators | None, dt
         denominator = denominators.denominator(name).to(dtype)  # float64 counts → the compute dtype
     else:
         groups = _dense_group_count([plan]) if mode is Normalize.GROUP_MEAN else plan.num_groups
-        counts = _local_counts(plan, name, mode, groups, dtype)
+        counts = plan.layout.segments.across(_local_counts(plan, name, mode, groups, dtype))
         denominator = _denominator(mode, None, counts)
     divisor: Tensor | None = None
     if mode is Normalize.SEQUENCE_MEAN:
-        per_seq = segment_count(m, plan.layout.seq_ids, plan.num_seqs).to(dtype)  # [S]
-        divisor = broadcast(per_seq.clamp_min(1), plan.layout.seq_ids)  # [N]
+        segments = plan.layout.segments
+        divisor = segments.broadcast(segments.count(m).to(dtype).clamp_min(1))  # [N], over the whole bin
     elif mode is Normalize.GROUP_MEAN:
         divisor = counts.to(dtype).clamp_min(1).index_select(0, plan.group_index)  # [G] → [N]
     return Aggregation(mask=m, weights=weights, divisor=divisor, denominator=denominator)

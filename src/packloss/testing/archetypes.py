@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from packloss.core.bin import Component, Outputs, Plan
+from packloss.core.bin import Component, Plan
+from packloss.core.outputs import Outputs
 from packloss.core.pg import DPPO, REF_KL
 from packloss.core.sft import SFT
 

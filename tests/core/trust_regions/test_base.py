@@ -11,6 +11,7 @@ import torch
 
 from conftest import check_against_paper
 from packloss import PolicyGradient
+from packloss.core.segments import Segments
 from packloss.core.trust_regions import (
     DPPOKL,
     DPPOTV,
@@ -143,7 +144,7 @@ def _terms(**over) -> PolicyTerms:
     log_r = torch.where(m, trn - base, 0.0)
     zeros = torch.zeros(3, dtype=torch.float64)
     fields = dict(m=m, trn=trn, base=base, log_r=log_r, r=log_r.exp(), adv=zeros, a=zeros,
-                  seq_ids=torch.zeros(3, dtype=torch.long), num_seqs=1)  # fmt: skip
+                  segments=Segments(torch.zeros(3, dtype=torch.long), 1))  # fmt: skip
     return PolicyTerms(**{**fields, **over})
 
 

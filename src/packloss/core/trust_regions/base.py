@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from packloss.core import checks
+from packloss.core.segments import Segments
 
 __all__ = [
     "PolicyTerms",
@@ -32,7 +33,8 @@ class PolicyTerms:
 
     ``m`` members (bool); ``trn`` log π_θ (carries the gradient); ``base`` the ratio's denominator
     (detached); ``log_r = where(m, trn − base, 0)``; ``r = finite_exp(log_r)``; ``adv`` the raw advantage
-    (detached, 0 off ``m``); ``a = adv_coef · adv``; ``seq_ids`` ``[N]`` long; ``num_seqs`` ``S``;
+    (detached, 0 off ``m``); ``a = adv_coef · adv``; ``segments`` the bin's per-sequence reductions
+    (exact over a context-parallel bin: use them, never ``segment_sum`` on ``seq_ids``);
     ``old`` / ``rollout`` the old and rollout log-probs (detached, None when the plan has none);
     ``selected`` / ``scores`` the step-wide selection of a :class:`StepSelector` region (else None).
     """
@@ -44,8 +46,7 @@ class PolicyTerms:
     r: Tensor
     adv: Tensor
     a: Tensor
-    seq_ids: Tensor
-    num_seqs: int
+    segments: Segments
     old: Tensor | None = None
     rollout: Tensor | None = None
     selected: Tensor | None = None

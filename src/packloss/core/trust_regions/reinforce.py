@@ -10,7 +10,6 @@ import torch
 
 from packloss.core import checks
 from packloss.core.corrections import RolloutCorrection
-from packloss.core.segments import broadcast, segment_sum
 from packloss.core.trust_regions.base import (
     LOG_RATIO_CLAMP,
     PolicyTerms,
@@ -78,13 +77,13 @@ class TOPR(TrustRegion):
             raise ValueError(f"TOPR.low must be <= TOPR.high, got {self.low} > {self.high}")
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
-        log_seq_ratio = segment_sum(t.log_r.detach(), t.seq_ids, t.num_seqs)  # [S]; log_r is 0 off the members
+        log_seq_ratio = t.segments.sum(t.log_r.detach())  # [S]; log_r is 0 off the members
         log_high = math.log(self.high)
         weight = torch.exp(log_seq_ratio.clamp(max=log_high)).clamp(min=self.low)  # [S]
         negative = t.a < 0  # [N]
-        token_weight = torch.where(negative, broadcast(weight, t.seq_ids), 1.0)  # [N]
+        token_weight = torch.where(negative, t.segments.broadcast(weight), 1.0)  # [N]
         objective = torch.where(t.m, token_weight * t.a * member_trn(t), 0.0)
-        log_seq_ratio_t = broadcast(log_seq_ratio, t.seq_ids)  # [N]
+        log_seq_ratio_t = t.segments.broadcast(log_seq_ratio)  # [N]
         metrics = {
             "truncated_frac_high": negative & (log_seq_ratio_t > log_high),
             "truncated_frac_low": negative & (torch.exp(log_seq_ratio_t) < self.low),
@@ -127,14 +126,14 @@ class VESPO(TrustRegion):
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         log_r = t.log_r.detach().clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)  # [N], 0 off the members
-        seq = segment_sum(log_r, t.seq_ids, t.num_seqs)  # [S]
         if self.correction is not None:
             if t.rollout is None:
                 raise ValueError("VESPO.correction needs the plan's rollout_logprobs, got None")
-            c, _ = self.correction.weights(t.numerator(), t.rollout, t.m, t.seq_ids, t.num_seqs)  # [N]
+            c, _ = self.correction.weights(t.numerator(), t.rollout, t.m, t.segments)  # [N]; token level: local
             log_c = torch.log(torch.where(t.m, c, 1.0)).clamp(_LOG_EPS, LOG_RATIO_CLAMP)  # log 0 → log 1e-8
-            seq = seq + segment_sum(log_c, t.seq_ids, t.num_seqs)
-        log_w = broadcast(seq.clamp(_LOG_EPS, LOG_RATIO_CLAMP), t.seq_ids)  # [N]
+            log_r = log_r + log_c  # one reduction of both sums
+        seq = t.segments.sum(log_r)  # [S]
+        log_w = t.segments.broadcast(seq.clamp(_LOG_EPS, LOG_RATIO_CLAMP))  # [N]
         nonneg = t.adv >= 0
         # filled, not torch.where(cond, float, float), which would be float32 in a float64 bin
         k = torch.full_like(log_w, self.k_neg).masked_fill(nonneg, self.k_pos)  # [N]

@@ -9,7 +9,6 @@ import torch
 from torch import Tensor
 
 from packloss.core.dtypes import finite_exp
-from packloss.core.segments import broadcast, segment_mean, segment_sum
 from packloss.core.trust_regions.base import (
     PolicyTerms,
     Surrogate,
@@ -26,7 +25,7 @@ __all__ = ["GSPO", "SequenceLevel", "SequenceRatioClip", "GMPO"]
 
 def _sequence_log_ratio(t: PolicyTerms) -> tuple[Tensor, Tensor]:
     """``(log s_i [S], count [S])`` with ``log s_i = mean_{u∈i} log r_u`` over the members, differentiable."""
-    return segment_mean(t.log_r, t.m, t.seq_ids, t.num_seqs)
+    return t.segments.mean(t.log_r, t.m)
 
 
 @register_trust_region("gspo")
@@ -43,10 +42,10 @@ class GSPO(TrustRegion):
         check_clip(self)
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
-        seq_log_r, count = segment_mean(t.log_r.detach(), t.m, t.seq_ids, t.num_seqs)  # [S]
+        seq_log_r, count = t.segments.mean(t.log_r.detach(), t.m)  # [S]
         seq_ratio = finite_exp(seq_log_r)  # [S]
         trn_m = torch.where(t.m, t.trn, 0.0)
-        token_ratio = broadcast(seq_ratio, t.seq_ids) * torch.exp(trn_m - trn_m.detach())  # [N]
+        token_ratio = t.segments.broadcast(seq_ratio) * torch.exp(trn_m - trn_m.detach())  # [N]
         surrogate, metrics = clipped(token_ratio, t.a, self.clip_low, self.clip_high)
         return Surrogate(torch.where(t.m, surrogate, 0.0), metrics, sequence_ratio=(seq_ratio, count > 0))
 
@@ -72,7 +71,7 @@ class SequenceLevel(TrustRegion):
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         seq_log_r, count = _sequence_log_ratio(t)  # [S]
-        log_s = torch.where(t.m, broadcast(seq_log_r, t.seq_ids), 0.0)  # [N]
+        log_s = torch.where(t.m, t.segments.broadcast(seq_log_r), 0.0)  # [N]
         result = self.inner.surrogate(replace(t, log_r=log_s, r=finite_exp(log_s)))
         result.sequence_ratio = (finite_exp(seq_log_r.detach()), count > 0)
         return result
@@ -92,7 +91,7 @@ class SequenceRatioClip(PPOClip):
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         seq_log_r, count = _sequence_log_ratio(t)  # [S], differentiable
         seq_ratio = finite_exp(seq_log_r)  # [S]
-        ratio = broadcast(seq_ratio, t.seq_ids)  # [N]
+        ratio = t.segments.broadcast(seq_ratio)  # [N]
         return self.clipped_with_ratio_metric(t, ratio, sequence_ratio=(seq_ratio.detach(), count > 0))
 
 
@@ -126,11 +125,12 @@ class GMPO(TrustRegion):
         low = (a < 0) & (log_r < -self.clip_low)  # ... from below
         clipped_log_r = torch.where(high, self.clip_high, torch.where(low, -self.clip_low, log_r))
         clipped_log_r = torch.where(t.m & (a != 0), clipped_log_r, 0.0)  # [N]
-        count = segment_sum(t.m.to(log_r.dtype), t.seq_ids, t.num_seqs)  # [S]
+        sums = t.segments.sum(torch.stack([clipped_log_r, a, t.m.to(log_r.dtype)], dim=1))  # [S, 3], one reduction
+        count = sums[:, 2].detach()  # [S]
         denominator = torch.where(count > 0, count + self.eps, 1.0)  # [S]
-        seq_ratio = torch.exp(segment_sum(clipped_log_r, t.seq_ids, t.num_seqs) / denominator)  # [S]
-        seq_adv = segment_sum(a, t.seq_ids, t.num_seqs) / denominator  # [S]
-        objective = torch.where(t.m, broadcast(seq_adv * seq_ratio, t.seq_ids), 0.0)  # [N]
+        seq_ratio = torch.exp(sums[:, 0] / denominator)  # [S]
+        seq_adv = sums[:, 1] / denominator  # [S]
+        objective = torch.where(t.m, t.segments.broadcast(seq_adv * seq_ratio), 0.0)  # [N]
         outside = (log_r > self.clip_high) | (log_r < -self.clip_low)
         metrics = {"is_masked": high | low, "clip_frac_high": outside & (a > 0), "clip_frac_low": outside & (a < 0)}
         return Surrogate(objective, metrics, sequence_ratio=(seq_ratio, count > 0))

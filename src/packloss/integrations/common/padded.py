@@ -11,10 +11,11 @@ import torch
 from torch import Tensor
 
 from packloss.core import checks
-from packloss.core.bin import Component, Outputs, Plan
+from packloss.core.bin import Component, Plan
 from packloss.core.dtypes import upcast
 from packloss.core.layout import PaddedLayout
 from packloss.core.metrics import masked_mean
+from packloss.core.outputs import Outputs
 
 __all__ = ["PACKINGS", "check_padded", "PaddedBatch", "log_ratio_mean"]
 

@@ -17,7 +17,6 @@ from packloss.core.dtypes import upcast
 from packloss.core.engine import compute_loss
 from packloss.core.pg import PolicyGradient
 from packloss.core.recipe import POLICY
-from packloss.core.segments import segment_count
 from packloss.core.trust_regions import ClampedPPOClip, SequenceRatioClip
 from packloss.integrations.common.padded import PACKINGS, PaddedBatch, check_padded, log_ratio_mean
 
@@ -260,9 +259,9 @@ def _filter_ratio(
     """OpenRLHF's ``is_filter_ratio``: dropped (or clamped) members over the members per token; per
     sequence, dropped rows over all ``B`` rows, a row without members counting as dropped."""
     if isinstance(correction, GatedCorrection) and correction.level == "sequence":
-        m, seq_ids, num_seqs = plan.members[POLICY], plan.layout.seq_ids, plan.num_seqs
-        kept = correction.keep(correction.statistic(old, rollout, m, seq_ids, num_seqs))  # [S]
-        has_members = segment_count(m, seq_ids, num_seqs) > 0  # [S]
-        return (~(kept & has_members)).sum(dtype=torch.float32) / num_seqs
+        m, segments = plan.members[POLICY], plan.layout.segments
+        kept = correction.keep(correction.statistic(old, rollout, m, segments))  # [S]
+        has_members = segments.count(m) > 0  # [S]
+        return (~(kept & has_members)).sum(dtype=torch.float32) / plan.num_seqs
     key = "rollout_is_truncated" if correction.mode == "truncate" else "rollout_is_masked"
     return metrics[f"{POLICY}/{key}"]

@@ -13,11 +13,13 @@ import torch
 from torch import Tensor
 
 from packloss.core import checks
-from packloss.core.bin import Component, ComponentInputs, ComponentOutput, Objective, Outputs, Plan
+from packloss.core.bin import Component, ComponentInputs, ComponentOutput, Objective, Plan
 from packloss.core.dtypes import upcast
 from packloss.core.engine import compute_loss as engine_loss
 from packloss.core.metrics import masked_mean
+from packloss.core.outputs import Outputs
 from packloss.core.pg import REF_KL, PolicyGradient, PolicyInputs, pg_loss
+from packloss.core.segments import Segments
 from packloss.integrations.prime_rl.lists import packed_lists
 
 SHARED = ("LossInputs", "LossOutputs", "LossFn", "ce_loss_fn", "ref_kl_loss_fn", "compute_loss",
@@ -55,7 +57,12 @@ class LossInputs:
 
     def mean(self, values: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
         """Sync-free mean of ``values`` over ``mask`` and its member count (``[S]`` per sequence)."""
-        return masked_mean(values, mask, self.seq_ids, self.num_seqs, self.per_sequence_metrics)
+        return masked_mean(values, mask, self.segments, self.per_sequence_metrics)
+
+    @property
+    def segments(self) -> Segments:
+        """The packing as packloss's per-sequence reductions."""
+        return Segments(self.seq_ids, self.num_seqs)
 
     def policy_inputs(self) -> PolicyInputs:
         """These streams as a policy-gradient objective reads them (no old stream in prime-rl)."""
@@ -66,8 +73,7 @@ class LossInputs:
             old=None,
             ref=self.ref_logprobs,
             advantages=self.advantages,
-            seq_ids=self.seq_ids,
-            num_seqs=self.num_seqs,
+            segments=self.segments,
             per_sequence_metrics=self.per_sequence_metrics,
         )
 
@@ -139,6 +145,10 @@ class _LossFnComponent(Objective):
     fn: LossFn
 
     def __call__(self, inputs: ComponentInputs) -> ComponentOutput:
+        if inputs.plan.layout.sharded:
+            raise ValueError(
+                f"component {inputs.name!r}: a prime-rl loss function sees whole bins, not a context-parallel shard"
+            )
         comp = inputs.plan.components[inputs.name]
         loss_inputs = LossInputs(
             trainer_logprobs=inputs.trainer_logprobs,

@@ -18,9 +18,10 @@ from torch import Tensor
 from trl import GRPOTrainer
 
 from packloss.core import checks
-from packloss.core.bin import Component, Normalize, Outputs, Plan
+from packloss.core.bin import Component, Normalize, Plan
 from packloss.core.engine import LossResult, compute_loss
 from packloss.core.entropy import Entropy
+from packloss.core.outputs import Outputs
 from packloss.core.recipe import POLICY, Recipe
 from packloss.core.step import StepDenominators, count_denominators
 from packloss.integrations.common.padded import PaddedBatch

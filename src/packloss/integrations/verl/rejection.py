@@ -12,7 +12,6 @@ from torch import Tensor
 
 from packloss.core import checks
 from packloss.core.layout import Layout
-from packloss.core.segments import broadcast, segment_max, segment_sum
 from packloss.integrations.common.config import ConfigReader
 
 __all__ = ["RS_OPTIONS", "rs_thresholds", "rejection_mask"]
@@ -94,7 +93,7 @@ def rejection_mask(
     checks.tensor("mask", mask, boolean=True)
     layout = seq_lens if isinstance(seq_lens, Layout) else Layout.build(seq_lens, mask.device)
     checks.tensor("mask", mask, shape=(layout.num_tokens,))
-    seq_ids, num_seqs = layout.seq_ids, layout.num_seqs
+    segments = layout.segments
     old = torch.where(mask, old_logprobs.detach(), 0.0)
     rollout = torch.where(mask, rollout_logprobs.detach(), 0.0)
     x = (old - rollout).clamp(-_RS_SAFETY, _RS_SAFETY)  # [N], 0 off the members
@@ -105,14 +104,14 @@ def rejection_mask(
         kind = option[-2:]
         value = torch.where(mask, per_token[kind], 0.0)  # [N]
         if option.startswith("seq_sum") or option.startswith("seq_mean"):
-            seq = segment_sum(value, seq_ids, num_seqs)  # [S]
+            seq = segments.sum(value)  # [S]
             if option.startswith("seq_mean"):
                 if count is None:
-                    count = segment_sum(mask.to(value.dtype), seq_ids, num_seqs).clamp_min(1)  # [S]
+                    count = segments.count(mask).to(value.dtype).clamp_min(1)  # [S]
                 seq = seq / count
-            value = broadcast(seq, seq_ids)  # [N]
+            value = segments.broadcast(seq)  # [N]
         elif option.startswith("seq_max"):
-            value = broadcast(segment_max(value, mask, seq_ids, num_seqs), seq_ids)  # [N]
+            value = segments.broadcast(segments.max(value, mask))  # [N]
         if kind == "k1":
             passed = (value >= math.log(lower)) & (value <= math.log(upper))
         else:

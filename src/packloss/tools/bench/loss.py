@@ -15,8 +15,9 @@ from torch import Tensor
 
 from packloss.compat import prime_rl
 from packloss.compat.prime_rl import DefaultLossConfig
-from packloss.core.bin import Outputs, Plan
+from packloss.core.bin import Plan
 from packloss.core.engine import compute_loss
+from packloss.core.outputs import Outputs
 from packloss.core.pg import DPPO
 from packloss.core.step import StepDenominators, count_denominators
 from packloss.integrations.prime_rl.loss import packed_loss

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor, nn
 
-from packloss.core.bin import Outputs
+from packloss.core.outputs import Outputs
 from packloss.integrations.hf import patch_causal_lm
 from packloss.tools.demo.task import BOS, EOS, PAD, VOCAB_SIZE, Task, encode_prompt, encode_target, score
 
