@@ -13,7 +13,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_functional
 from torch import Tensor
 
 __all__ = ["Segments", "segment_sum", "segment_count", "segment_mean", "segment_max", "segment_min", "broadcast"]
@@ -63,6 +62,24 @@ def broadcast(values: Tensor, seq_ids: Tensor) -> Tensor:
     return values.index_select(0, seq_ids)
 
 
+class _SumAcross(torch.autograd.Function):
+    """``all_reduce`` (sum) over ``group``; its backward is the all-reduced gradient, since every rank's
+    loss reads the sum."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: object) -> Tensor:  # noqa: ANN001
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None]:  # noqa: ANN001
+        out = grad.clone()
+        dist.all_reduce(out, group=ctx.group)
+        return out, None
+
+
 @dataclass(frozen=True, eq=False)
 class Segments:
     """The sequences of a bin, or of a context-parallel shard of one, for per-sequence reductions.
@@ -84,7 +101,13 @@ class Segments:
     def across(self, partial: Tensor) -> Tensor:
         """This rank's additive ``partial`` summed over the ranks holding the bin (itself unless
         sharded), differentiable."""
-        return dist_functional.all_reduce(partial, group=self.group) if self.sharded else partial
+        if not self.sharded:
+            return partial
+        if partial.requires_grad:
+            return _SumAcross.apply(partial, self.group)
+        out = partial.clone()
+        dist.all_reduce(out, group=self.group)
+        return out
 
     def sum(self, x: Tensor) -> Tensor:
         """``out[s] = Σ_{t∈s} x[t]`` over the whole bin.  ``x [N, ...]`` → ``[S, ...]``, differentiable."""
