@@ -4,7 +4,7 @@ TORCH ?= torch==2.13.0
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: setup test demo bench bench-gpu lint
+.PHONY: setup test test-cp demo bench bench-gpu lint
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -19,6 +19,10 @@ test: setup
 	$(PY) -m pip install -q --no-deps "openrlhf==0.11.2"
 	$(PY) -m ruff check src tests
 	$(PY) -m pytest -q -n 2 --dist loadfile
+
+# The context-parallel harness over every (dp, cp) layout x shard style (CI runs each layout once).
+test-cp: setup
+	PACKLOSS_CP_FULL=1 $(PY) -m pytest -q tests/testing/test_context_parallel.py
 
 demo: setup
 	$(VENV)/bin/packloss demo --out demo-out

@@ -23,11 +23,12 @@ from packloss.core.outputs import Outputs
 from packloss.core.pg import DPPO, REF_KL, PolicyGradient
 from packloss.core.sft import SFT
 from packloss.core.step import count_denominators
-from packloss.core.trust_regions import TRUST_REGIONS, StepSelector
+from packloss.core.trust_regions import GSPO, TRUST_REGIONS, StepSelector
 from packloss.testing.dist import run_gloo
 from packloss.vocab.component import VocabDistill
 
-__all__ = ["Bin", "Case", "STYLES", "LAYOUTS", "cases", "make_bins", "shard_of", "single_process", "run_invariance"]
+__all__ = ["Bin", "Case", "CollectiveCount", "STYLES", "LAYOUTS", "cases", "make_bins", "make_model", "shard_of",
+           "plan_for", "outputs_for", "single_process", "run_invariance"]  # fmt: skip
 
 STYLES = ("contiguous", "zigzag", "random")
 """How a bin is split over its CP ranks: ``torch.chunk`` of the row, zigzag, random positions."""
@@ -71,6 +72,13 @@ class Case:
         }  # fmt: skip
 
 
+_REGIONS = {"gspo": GSPO(clip_low=0.02, clip_high=0.02)}  # the default 3e-4 / 4e-4 clips every sequence here
+
+
+def _region(name: str) -> object:
+    return _REGIONS.get(name, name)
+
+
 def _pg(name: str, objective: object, mode: str = "token", **flags: bool) -> Case:
     return Case(name, (("pg", objective, mode),), **flags)
 
@@ -81,10 +89,11 @@ def cases() -> list[Case]:
     sampled and full-vocabulary distillation, and a several-component step."""
     out = []
     for name, region in sorted(TRUST_REGIONS.items()):
-        out.append(_pg(f"{name}/token", PolicyGradient(name), weighted=True, select=issubclass(region, StepSelector)))
+        selects = issubclass(region, StepSelector)
+        out.append(_pg(f"{name}/token", PolicyGradient(_region(name)), weighted=True, select=selects))
     modes = [m.value for m in Normalize]
     for region in ("ppo_clip", "gspo", "sequence_level", "sequence_ratio_clip", "geo_mean", "vespo", "topr"):
-        out += [_pg(f"{region}/{m}", PolicyGradient(region), m) for m in modes]
+        out += [_pg(f"{region}/{m}", PolicyGradient(_region(region)), m) for m in modes]
     corrections = [
         RolloutCorrection("token", "truncate"), RolloutCorrection("token", "mask", high=1.5, low=0.5),
         RolloutCorrection("sequence", "truncate", high=3.0), RolloutCorrection("sequence", "mask", high=4.0, low=0.25),
@@ -96,7 +105,7 @@ def cases() -> list[Case]:
         out.append(_pg(f"correction{i}/{c.level}", PolicyGradient("ppo_clip", correction=c), "sequence_mean"))
     penalty = (KLPenalty(0.1, "k3", "ref"), KLPenalty(0.05, "k2", "old"))
     out += [
-        _pg("kl_penalties", PolicyGradient("gspo", penalties=penalty), "group_mean"),
+        _pg("kl_penalties", PolicyGradient(_region("gspo"), penalties=penalty), "group_mean"),
         _pg("dppo", DPPO, "sequence_mean"),
         _pg("ref_kl", REF_KL, "sequence_sum"),
         _pg("ratio_weighted_kl/sequence", RatioWeightedKL(0.1, level="sequence"), "sequence_mean"),
@@ -106,7 +115,7 @@ def cases() -> list[Case]:
         Case("jsd/token", (("kd", VocabDistill("jsd"), "token"),), logits=True),
         Case(
             "pg+sft+entropy+kd",
-            (("pg", PolicyGradient("gspo"), "sequence_mean"), ("sft", SFT(), "token"),
+            (("pg", PolicyGradient(_region("gspo")), "sequence_mean"), ("sft", SFT(), "token"),
              ("entropy", Entropy(0.01), "sequence_sum"), ("kd", VocabDistill("reverse_kl"), "group_mean")),
             entropy=True, logits=True,
         ),
@@ -118,6 +127,7 @@ def make_bins(num_bins: int = 4, seed: int = 0, max_len: int = 9) -> list[Bin]:
     """``num_bins`` bins of 1–6 sequences of 1–``max_len`` tokens (one of length 1), prompts outside
     the mask, one sequence without members, per-sequence advantages, drifting log-prob streams."""
     g = torch.Generator().manual_seed(seed)
+    model = make_model()
     bins, group = [], 0
     for b in range(num_bins):
         s = int(torch.randint(1, 7, (1,), generator=g))
@@ -130,16 +140,21 @@ def make_bins(num_bins: int = 4, seed: int = 0, max_len: int = 9) -> list[Bin]:
         mask = (torch.arange(n) - start) >= prompt
         if s > 1:
             mask &= seq_ids != s - 1  # a sequence without members
-        rollout = -torch.rand(n, generator=g, dtype=torch.float64) * 2 - 0.05
+        x = torch.randn(n, H, generator=g, dtype=torch.float64)
+        labels = torch.randint(0, V, (n,), generator=g)
+        with torch.no_grad():  # the streams drift around the model's own log-probs: regions bind on some tokens
+            trn = torch.log_softmax(model(x), -1).gather(1, labels[:, None]).squeeze(1)  # [N]
+        noise = torch.randn(3, n, generator=g, dtype=torch.float64) * torch.tensor([[0.15], [0.1], [0.3]])
+        rollout, old, ref = (trn + noise).clamp(max=-1e-4)
         streams = {
             "mask": mask,
             "rollout": rollout,
-            "old": rollout + 0.3 * torch.randn(n, generator=g, dtype=torch.float64),
-            "ref": rollout + 0.3 * torch.randn(n, generator=g, dtype=torch.float64),
+            "old": old,
+            "ref": ref,
             "advantages": torch.randn(s, generator=g, dtype=torch.float64)[seq_ids],
             "weights": torch.rand(n, generator=g, dtype=torch.float64) * 2,
-            "x": torch.randn(n, H, generator=g, dtype=torch.float64),
-            "labels": torch.randint(0, V, (n,), generator=g),
+            "x": x,
+            "labels": labels,
             "teacher_logits": torch.randn(n, V, generator=g, dtype=torch.float64),
         }
         groups = tuple(group + i // 2 for i in range(s))
@@ -160,12 +175,15 @@ def shard_of(bin_: Bin, style: str, rank: int, size: int, seed: int, group: obje
     raise ValueError(f"style must be one of {STYLES}, got {style!r}")
 
 
-def _model() -> nn.Module:
+def make_model() -> nn.Module:
+    """The harness's model: a float64 ``Linear(H, V)`` (per-token, so a shard's log-probs need no
+    other rank), seeded."""
     torch.manual_seed(0)
     return nn.Linear(H, V, bias=False).to(torch.float64)
 
 
-def _plan(case: Case, bin_: Bin, positions: Tensor | None, shard: ContextShard | None) -> tuple[Plan, dict]:
+def plan_for(case: Case, bin_: Bin, positions: Tensor | None, shard: ContextShard | None) -> tuple[Plan, dict]:
+    """The plan of ``bin_`` (its ``positions`` on ``shard``, or whole) and the streams it holds."""
     streams = bin_.streams if positions is None else {k: v[positions] for k, v in bin_.streams.items()}
     plan = Plan(
         bin_.seq_lens, case.components(streams), rollout_logprobs=streams["rollout"], ref_logprobs=streams["ref"],
@@ -175,7 +193,8 @@ def _plan(case: Case, bin_: Bin, positions: Tensor | None, shard: ContextShard |
     return plan, streams
 
 
-def _outputs(case: Case, model: nn.Module, streams: dict) -> Outputs:
+def outputs_for(case: Case, model: nn.Module, streams: dict) -> Outputs:
+    """The model's forward on ``streams``: log-probs of the labels, entropy and logits as ``case`` needs."""
     logits = model(streams["x"])  # [N, V]
     logp = torch.log_softmax(logits, -1)
     trn = logp.gather(1, streams["labels"][:, None]).squeeze(1)  # [N]
@@ -193,10 +212,10 @@ def _count(case: Case, plans: list[Plan], **kwargs) -> object:
 
 def single_process(case: Case, bins: Sequence[Bin]) -> dict:
     """The step in one process over whole bins: ``loss``, ``grad`` and merged ``metrics``."""
-    model = _model()
-    parts = [_plan(case, b, None, None) for b in bins]
+    model = make_model()
+    parts = [plan_for(case, b, None, None) for b in bins]
     den = _count(case, [p for p, _ in parts])
-    results = [compute_loss(p, _outputs(case, model, s), den) for p, s in parts]
+    results = [compute_loss(p, outputs_for(case, model, s), den) for p, s in parts]
     loss = sum(r.loss for r in results)
     loss.backward()
     metrics, counts = merge_metrics(results)
@@ -230,7 +249,7 @@ class CollectiveCount:
 def _worker(rank: int, world: int, dp: int, cp: int, style: str, cases: Sequence[Case], bins: Sequence[Bin]) -> list:
     d, c = divmod(rank, cp)  # dp-major ranks: the cp ranks of one dp replica are consecutive
     cp_groups = [dist.new_group(list(range(i * cp, (i + 1) * cp))) for i in range(dp)]
-    model = nn.parallel.DistributedDataParallel(_model())  # averages gradients over all dp × cp ranks
+    model = nn.parallel.DistributedDataParallel(make_model())  # averages gradients over all dp × cp ranks
     mine = list(bins)[d::dp]
     out = []
     for case in cases:
@@ -238,12 +257,12 @@ def _worker(rank: int, world: int, dp: int, cp: int, style: str, cases: Sequence
         parts = []
         for i, b in enumerate(mine):
             shard = shard_of(b, style, c, cp, seed=1000 * i + d, group=cp_groups[d])
-            parts.append(_plan(case, b, shard.positions, shard))
+            parts.append(plan_for(case, b, shard.positions, shard))
         max_tokens = sum(b.num_tokens for b in bins)
         groups = 1 + max(g for b in bins for g in b.group_ids)
         den = _count(case, [p for p, _ in parts], all_reduce=True, max_rank_tokens=max_tokens, num_groups=groups)
         with CollectiveCount() as comm:
-            results = [compute_loss(p, _outputs(case, model, s), den) for p, s in parts]
+            results = [compute_loss(p, outputs_for(case, model, s), den) for p, s in parts]
             loss = sum((r.loss for r in results), torch.zeros((), dtype=torch.float64))
             (loss * world).backward()  # DDP averages over dp·cp ranks: the step's gradient is their sum
         total = loss.detach().clone()
