@@ -10,7 +10,7 @@ from packloss.core.bin import (
     Objective,
     Plan,
 )
-from packloss.core.context_parallel import ContextShard
+from packloss.core.context_parallel import ContextShard, gradient_scale
 from packloss.core.corrections import GatedCorrection, RolloutCorrection
 from packloss.core.engine import LossResult, compute_loss
 from packloss.core.entropy import AdaptiveEntropy, Entropy
@@ -30,6 +30,7 @@ __all__ = [
     "Component",
     "Outputs",
     "ContextShard",
+    "gradient_scale",
     "compute_loss",
     "LossResult",
     "Normalize",

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from packloss import (
     Component,
@@ -16,7 +18,9 @@ from packloss import (
     RolloutCorrection,
     all_reduce_metrics,
     compute_loss,
+    gradient_scale,
 )
+from packloss.core.sft import SFT
 from packloss.core.step import count_denominators
 from packloss.core.trust_regions import GSPO
 from packloss.testing import OpCounter
@@ -28,6 +32,7 @@ from packloss.testing.context_parallel import (
     make_model,
     outputs_for,
     plan_for,
+    shard_of,
     single_process,
 )
 from packloss.testing.dist import run_gloo
@@ -214,3 +219,65 @@ def test_sync_free_and_flat_in_the_number_of_sequences():
             assert len(counts) == 1, (name, counts)  # the same collectives and ops for S = 2 and 32
             ((collectives, _),) = counts
             assert 1 <= collectives <= 3, (name, collectives)
+
+
+def _fsdp_worker(rank: int, world: int) -> list:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "cp"))
+    flat = init_device_mesh("cpu", (world,))
+    d, c = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
+    model = fully_shard(make_model(), mesh=flat)
+    bins = make_bins(num_bins=4, seed=7)[d::2]
+    parts = []
+    for b in bins:
+        shard = ContextShard.zigzag(b.seq_lens, c, 2, mesh.get_group("cp"))
+        parts.append(plan_for(GSPO_SEQ_MEAN, b, shard.positions, shard))
+    den = count_denominators([p for p, _ in parts], all_reduce=True)
+    loss = sum(compute_loss(p, outputs_for(GSPO_SEQ_MEAN, model, s), den).loss for p, s in parts)
+    (loss * gradient_scale(flat)).backward()
+    return [p.grad.full_tensor().clone() for p in model.parameters()]
+
+
+def test_fsdp2_over_a_dp_cp_mesh_with_gradient_scale_matches_one_process():
+    ranks = run_gloo(_fsdp_worker, world_size=4, timeout=300)
+    single = single_process(GSPO_SEQ_MEAN, make_bins(num_bins=4, seed=7))
+    for grads in ranks:
+        torch.testing.assert_close(grads[0], single["grad"], rtol=1e-12, atol=0)
+
+
+def _gradient_scale_worker(rank: int, world: int) -> tuple[float, float]:
+    return gradient_scale(), gradient_scale(init_device_mesh("cpu", (world,)))
+
+
+def test_gradient_scale_is_the_averaging_groups_size():
+    assert run_gloo(_gradient_scale_worker, world_size=2) == [(2.0, 2.0), (2.0, 2.0)]
+
+
+PER_SEQUENCE = Case(
+    "per-sequence",
+    (("pg", PolicyGradient(GSPO(0.02, 0.02), correction=RolloutCorrection("sequence", "mask", high=3.0, low=0.3)),
+      "sequence_mean"), ("sft", SFT(), "token")),
+)  # fmt: skip
+
+
+def _per_sequence_worker(rank: int, world: int) -> list:
+    out = []
+    for style in ("contiguous", "zigzag", "random"):
+        b = make_bins(num_bins=1, seed=11, max_len=12)[0]
+        shard = shard_of(b, style, rank, world, seed=4)
+        plan, s = plan_for(PER_SEQUENCE, b, shard.positions, shard)
+        result = compute_loss(plan, outputs_for(PER_SEQUENCE, make_model(), s), per_sequence_metrics=True)
+        out.append((result.metrics, result.counts))
+    return out
+
+
+def test_per_sequence_metrics_of_a_shard_are_the_whole_sequences():
+    b = make_bins(num_bins=1, seed=11, max_len=12)[0]
+    plan, s = plan_for(PER_SEQUENCE, b, None, None)
+    whole = compute_loss(plan, outputs_for(PER_SEQUENCE, make_model(), s), per_sequence_metrics=True)
+    assert plan.num_seqs > 2
+    for rank in run_gloo(_per_sequence_worker, world_size=3, timeout=240):
+        for metrics, counts in rank:
+            assert set(metrics) == set(whole.metrics)
+            for key, value in whole.metrics.items():
+                torch.testing.assert_close(metrics[key].double(), value.double(), rtol=1e-12, atol=1e-12)
+                torch.testing.assert_close(counts[key].double(), whole.counts[key].double())

@@ -10,13 +10,29 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from packloss.core import checks
 from packloss.core.layout import Layout, check_seq_lens
 from packloss.core.segments import Segments
 
-__all__ = ["ContextShard"]
+__all__ = ["ContextShard", "gradient_scale"]
+
+
+def gradient_scale(averaged_over: object = None) -> float:
+    """The factor by which each rank multiplies its loss before ``backward`` when DDP or FSDP2 average
+    the gradients over ``averaged_over``: a process group, a ``DeviceMesh`` (all of its ranks: the
+    flattened ``(dp, cp)`` mesh FSDP2 shards over) or None (the default group).
+
+    With the step's denominators every rank's loss is its share of the step's loss, and the shares
+    sum to it (a context-parallel rank's backward also carries the other ranks' gradient through the
+    per-sequence sums it shares), so the step's gradient is the *sum* over ranks of their gradients:
+    ``mean × world``. A host read of the group's size, no collective.
+    """
+    if hasattr(averaged_over, "mesh") and callable(getattr(averaged_over, "size", None)):
+        return float(averaged_over.size())
+    return float(dist.get_world_size(averaged_over))
 
 
 def _rank_and_size(rank: object, size: object) -> tuple[int, int]:
