@@ -1,4 +1,4 @@
-"""packloss.core.bin: Plan, Component and Outputs: cheap sync-free checks that name the argument, and deep checks."""
+"""packloss.core.bin: Plan and Component: cheap sync-free checks that name the argument, and deep checks."""
 
 from __future__ import annotations
 
@@ -109,20 +109,6 @@ def test_invalid_component_names_the_argument(over, error, match):
         Component(**kwargs)
 
 
-def test_invalid_outputs_name_the_argument():
-    plan = rl_plan()
-    with pytest.raises(TypeError, match="outputs.logprobs must be a torch.Tensor"):
-        Outputs(logprobs=[0.0] * N)
-    with pytest.raises(TypeError, match="outputs.entropy must be a floating-point"):
-        Outputs(entropy=torch.zeros(N, dtype=torch.long))
-    with pytest.raises(ValueError, match="hidden and outputs.head_weight go together"):
-        Outputs(hidden=torch.zeros(N, 4))
-    with pytest.raises(ValueError, match=r"head_weight must be \[V, H\] with H=4"):
-        Outputs(hidden=torch.zeros(N, 4), head_weight=torch.zeros(9, 3))
-    with pytest.raises(ValueError, match=r"outputs.logits must have shape \[N, ·\]"):
-        Outputs(logits=torch.zeros(N)).check(plan)
-
-
 def test_deep_validation_reads_values():
     plan = rl_plan()
     assert plan.validate(deep=True) is plan
@@ -154,10 +140,3 @@ def test_tensor_constant_is_checked_by_deep_validation():
     Plan(LENS, {"sft": Component(SFT(), mask=s["mask"], normalize="constant", constant=torch.tensor(3.0))}).validate(
         deep=True
     )
-
-
-def test_outputs_head_weight_on_the_meta_device_is_refused_by_name():
-    plan = Plan((3,), {"sft": Component(SFT(), torch.ones(3, dtype=torch.bool))})
-    outputs = Outputs(hidden=torch.randn(3, 2), head_weight=torch.empty(5, 2, device="meta"))
-    with pytest.raises(ValueError, match="outputs.head_weight is on the meta device"):
-        outputs.check(plan)
