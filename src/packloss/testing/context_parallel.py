@@ -62,6 +62,7 @@ class Case:
     select: bool = False
     logits: bool = False
     entropy: bool = False
+    head: bool = False
 
     def components(self, streams: dict[str, Tensor]) -> dict[str, Component]:
         weights = streams["weights"] if self.weighted else None
@@ -113,6 +114,8 @@ def cases() -> list[Case]:
         Case("entropy/position", (("entropy", Entropy(0.01), "position"),), entropy=True),
         Case("forward_kl/sequence_mean", (("kd", VocabDistill("forward_kl"), "sequence_mean"),), logits=True),
         Case("jsd/token", (("kd", VocabDistill("jsd"), "token"),), logits=True),
+        Case("head_reverse_kl/sequence_mean", (("kd", VocabDistill("reverse_kl"), "sequence_mean"),), head=True),
+        Case("head_jsd/group_mean", (("kd", VocabDistill("jsd", beta=0.3), "group_mean"),), head=True),
         Case(
             "pg+sft+entropy+kd",
             (("pg", PolicyGradient(_region("gspo")), "sequence_mean"), ("sft", SFT(), "token"),
@@ -188,7 +191,7 @@ def plan_for(case: Case, bin_: Bin, positions: Tensor | None, shard: ContextShar
     plan = Plan(
         bin_.seq_lens, case.components(streams), rollout_logprobs=streams["rollout"], ref_logprobs=streams["ref"],
         advantages=streams["advantages"], old_logprobs=streams["old"], group_ids=bin_.group_ids,
-        teacher_logits=streams["teacher_logits"] if case.logits else None, shard=shard,
+        teacher_logits=streams["teacher_logits"] if case.logits or case.head else None, shard=shard,
     )  # fmt: skip
     return plan, streams
 
@@ -199,6 +202,9 @@ def outputs_for(case: Case, model: nn.Module, streams: dict) -> Outputs:
     logp = torch.log_softmax(logits, -1)
     trn = logp.gather(1, streams["labels"][:, None]).squeeze(1)  # [N]
     entropy = -(logp.exp() * logp).sum(-1) if case.entropy else None
+    if case.head:  # the model's own weight as the LM head over the features (DDP still ran its forward)
+        weight = getattr(model, "module", model).weight  # [V, H]
+        return Outputs(logprobs=trn, entropy=entropy, hidden=streams["x"], head_weight=weight)
     return Outputs(logprobs=trn, entropy=entropy, logits=logits if case.logits else None)
 
 
