@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import torch
@@ -338,12 +338,14 @@ class Plan:
 class Aggregation:
     """How a component's per-token loss becomes its term: ``Σ_t m_t · w_t · ℓ_t / d_t / D`` with
     ``mask [N]`` bool, ``weights [N]`` (zero off the members) or None, ``divisor [N]`` (≥ 1) or
-    None, and ``denominator`` a number or a 0-d tensor."""
+    None, and ``denominator`` a number or a 0-d tensor; ``member_counts [S]`` the whole bin's
+    members per sequence when the mode counted them (``sequence_mean``), else None."""
 
     mask: Tensor
     weights: Tensor | None
     divisor: Tensor | None
     denominator: Tensor | float
+    member_counts: Tensor | None = None
 
     def mask_tokens(self, per_token: Tensor) -> Tensor:
         """``ℓ`` in the compute dtype with exact zeros off the members (whatever they held).  ``[N]``."""
@@ -424,8 +426,12 @@ class ComponentInputs:
 
     @property
     def segments(self) -> Segments:
-        """The bin's per-sequence reductions (exact across context-parallel ranks)."""
-        return self.plan.layout.segments
+        """The bin's per-sequence reductions (exact across context-parallel ranks), knowing this
+        component's member counts when its aggregation has them."""
+        segments, counts = self.plan.layout.segments, self.aggregation.member_counts
+        if counts is None or not segments.sharded:
+            return segments
+        return replace(segments, known=(self.aggregation.mask, counts))
 
     @property
     def num_seqs(self) -> int:

@@ -90,6 +90,8 @@ class Segments:
     by one ``all_reduce`` over ``group`` (differentiable for :meth:`sum` and :meth:`mean`: its backward
     is one more). ``owned [S]`` bool (or None: all) marks the sequences whose per-sequence values this
     rank reports in scalar metrics, so that a metric over sequences counts each once over the group.
+    ``known`` is ``(mask, count [S])``, the whole bin's member counts of one mask already reduced:
+    :meth:`count` and :meth:`mean` over that very mask reuse them (one collective fewer).
     """
 
     seq_ids: Tensor
@@ -97,6 +99,10 @@ class Segments:
     sharded: bool = False
     group: object = None
     owned: Tensor | None = None
+    known: tuple[Tensor, Tensor] | None = None
+
+    def _known_count(self, mask: Tensor) -> Tensor | None:
+        return self.known[1] if self.known is not None and mask is self.known[0] else None
 
     def across(self, partial: Tensor) -> Tensor:
         """This rank's additive ``partial`` summed over the ranks holding the bin (itself unless
@@ -115,6 +121,9 @@ class Segments:
 
     def count(self, mask: Tensor) -> Tensor:
         """Members per sequence over the whole bin, float32.  ``mask [N]`` bool → ``[S]``."""
+        known = self._known_count(mask)
+        if known is not None:
+            return known
         return self.across(segment_count(mask, self.seq_ids, self.num_seqs))
 
     def mean(self, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -122,6 +131,9 @@ class Segments:
         ``all_reduce`` of both when sharded)."""
         if not self.sharded:
             return segment_mean(x, mask, self.seq_ids, self.num_seqs)
+        known = self._known_count(mask)
+        if known is not None:
+            return self.sum(torch.where(mask, x, torch.zeros_like(x))) / known.clamp_min(1), known
         both = torch.stack([torch.where(mask, x, torch.zeros_like(x)), mask.to(x.dtype)], dim=1)  # [N, 2]
         total, count = self.sum(both).unbind(1)  # [S] each
         return total / count.clamp_min(1), count.detach().to(torch.float32)

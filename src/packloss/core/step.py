@@ -32,11 +32,14 @@ def _count_size(mode: Normalize, num_groups: int) -> int:
     return 1
 
 
-def _local_counts(plan: Plan, name: str, mode: Normalize, num_groups: int, dtype: torch.dtype) -> Tensor:
+def _local_counts(
+    plan: Plan, name: str, mode: Normalize, num_groups: int, dtype: torch.dtype, seen: dict | None = None
+) -> Tensor:
     """This bin's additive counts of component ``name`` under ``mode`` (see :func:`_count_size`); a
     bin counts its positions for ``position`` whether it has the component or not. A context-parallel
     shard counts its own tokens and the sequences it reports (:meth:`Segments.reported`), whose
-    member counts take one ``all_reduce`` over its group: the shards' counts sum to the bin's."""
+    member counts take one ``all_reduce`` over its group: the shards' counts sum to the bin's. Those
+    whole-bin counts ``[S]`` go into ``seen[name]`` (the engine's ``sequence_mean`` divisor reuses them)."""
     if mode is Normalize.POSITION:
         return torch.full((1,), float(plan.num_tokens), dtype=dtype, device=plan.device)
     if name not in plan.members:
@@ -46,7 +49,10 @@ def _local_counts(plan: Plan, name: str, mode: Normalize, num_groups: int, dtype
         return m.sum(dtype=dtype).reshape(1)
     if mode in (Normalize.SEQUENCE_MEAN, Normalize.SEQUENCE_SUM):
         segments = plan.layout.segments
-        return segments.reported(segments.count(m) > 0).sum(dtype=dtype).reshape(1)
+        per_seq = segments.count(m)  # [S], the whole bin's
+        if seen is not None and segments.sharded:
+            seen[name] = per_seq
+        return segments.reported(per_seq > 0).sum(dtype=dtype).reshape(1)
     if mode is Normalize.GROUP_MEAN:
         return torch.zeros(num_groups, dtype=dtype, device=m.device).index_add(0, plan.group_index, m.to(dtype))
     return torch.zeros(0, dtype=dtype, device=m.device)
@@ -230,12 +236,16 @@ def bin_selection(plan: Plan, name: str, denominators: StepDenominators | None) 
 class StepDenominators:
     """The counts of a whole step (every micro-batch, every rank), per component: ``modes[name]``
     as counted, ``counts[name]`` the summed counts (``[1]``; ``[0]`` for ``constant``; ``[G]`` per-group
-    member counts for ``group_mean``), and ``selections[name]`` of the step-wide selections."""
+    member counts for ``group_mean``), and ``selections[name]`` of the step-wide selections.
+    ``sequence_counts`` keeps, for each context-parallel shard counted, its plan and the whole bin's
+    members per sequence of its sequence-mode components, so that ``compute_loss`` does not reduce
+    them again."""
 
     modes: dict[str, Mode]
     counts: dict[str, Tensor]
     num_groups: int
     selections: dict[str, StepSelection] = field(default_factory=dict)
+    sequence_counts: dict[int, tuple[Plan, dict[str, Tensor]]] = field(default_factory=dict, repr=False)
     denominators: dict[str, Tensor | float] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -251,7 +261,13 @@ class StepDenominators:
     def replaced(self, counts: Mapping[str, Tensor]) -> StepDenominators:
         """These denominators with the counts of the named components replaced (a trainer adapter
         gives its peer's own global counts this way)."""
-        return StepDenominators(self.modes, {**self.counts, **counts}, self.num_groups, self.selections)
+        merged = {**self.counts, **counts}
+        return StepDenominators(self.modes, merged, self.num_groups, self.selections, self.sequence_counts)
+
+    def member_counts(self, plan: Plan, name: str) -> Tensor | None:
+        """The whole bin's members per sequence of component ``name`` of shard ``plan``, if counted."""
+        entry = self.sequence_counts.get(id(plan))
+        return None if entry is None or entry[0] is not plan else entry[1].get(name)
 
     def check(self, plan: Plan) -> None:
         """Raise a ``ValueError`` unless these denominators were counted for ``plan``'s components."""
@@ -365,15 +381,19 @@ def _count_local(
     return _LocalCounts(step_modes, names, sizes, selecting, sums_sizes, groups, device)
 
 
-def _flat_counts(plans: Sequence[Plan], local: _LocalCounts) -> Tensor:
-    """This rank's counts and selection sums as one flat float64 tensor. Run after the checks: a
-    context-parallel shard's sequence counts take a collective over its group."""
+def _flat_counts(plans: Sequence[Plan], local: _LocalCounts) -> tuple[Tensor, dict]:
+    """This rank's counts and selection sums as one flat float64 tensor, and the shards' whole-bin
+    sequence counts. Run after the checks: a shard's sequence counts take a collective over its group."""
     flat = torch.zeros(sum(local.sizes) + sum(local.sums_sizes), dtype=_F64, device=local.device)
+    sequence_counts = {}
     for plan in plans:
-        parts = [_local_counts(plan, k, local.modes[k][0], local.num_groups, _F64) for k in local.names]
+        seen: dict[str, Tensor] = {}
+        parts = [_local_counts(plan, k, local.modes[k][0], local.num_groups, _F64, seen) for k in local.names]
         parts += [_sums(plan, k, obj, local.device) for k, obj in local.selecting.items()]
         flat = flat + torch.cat(parts)
-    return flat
+        if seen:
+            sequence_counts[id(plan)] = (plan, seen)
+    return flat, sequence_counts
 
 
 def count_denominators(
@@ -408,7 +428,7 @@ def count_denominators(
         local = _count_local(plans, modes, num_groups, device, objectives, max_rank_tokens, all_reduce)
     if agree:
         check_agreement(local.description(max_rank_tokens), "step components or modes", local.device, group)
-    flat = _flat_counts(plans, local)
+    flat, sequence_counts = _flat_counts(plans, local)
     if all_reduce:
         dist.all_reduce(flat, group=group)
     pieces = torch.split(flat, local.sizes + local.sums_sizes)
@@ -419,7 +439,10 @@ def count_denominators(
         plans, local.selecting, sums, gather=all_reduce, group=group, max_rank_tokens=max_rank_tokens,
         device=local.device,
     )  # fmt: skip
-    return StepDenominators(modes=local.modes, counts=counts, num_groups=local.num_groups, selections=selections)
+    return StepDenominators(
+        modes=local.modes, counts=counts, num_groups=local.num_groups, selections=selections,
+        sequence_counts=sequence_counts,
+    )  # fmt: skip
 
 
 def aggregation(plan: Plan, name: str, denominators: StepDenominators | None, dtype: torch.dtype) -> Aggregation:
@@ -440,9 +463,12 @@ def aggregation(plan: Plan, name: str, denominators: StepDenominators | None, dt
         counts = plan.layout.segments.across(_local_counts(plan, name, mode, groups, dtype))
         denominator = _denominator(mode, None, counts)
     divisor: Tensor | None = None
+    member_counts = None if denominators is None else denominators.member_counts(plan, name)  # shards only
     if mode is Normalize.SEQUENCE_MEAN:
         segments = plan.layout.segments
-        divisor = segments.broadcast(segments.count(m).to(dtype).clamp_min(1))  # [N], over the whole bin
+        if member_counts is None:
+            member_counts = segments.count(m)  # [S], over the whole bin
+        divisor = segments.broadcast(member_counts.to(dtype).clamp_min(1))  # [N]
     elif mode is Normalize.GROUP_MEAN:
         divisor = counts.to(dtype).clamp_min(1).index_select(0, plan.group_index)  # [G] → [N]
-    return Aggregation(mask=m, weights=weights, divisor=divisor, denominator=denominator)
+    return Aggregation(mask=m, weights=weights, divisor=divisor, denominator=denominator, member_counts=member_counts)

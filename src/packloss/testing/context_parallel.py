@@ -229,12 +229,13 @@ def single_process(case: Case, bins: Sequence[Bin]) -> dict:
 
 
 class CollectiveCount:
-    """Inside the ``with`` block, ``torch.distributed.all_reduce`` / ``all_gather_into_tensor`` calls
-    are counted in ``calls`` (op name and shape)."""
+    """Inside the ``with`` block, ``torch.distributed.all_reduce`` / ``all_gather_into_tensor`` /
+    ``all_gather_single`` calls are counted in ``calls`` (op name and the first tensor's shape)."""
 
     def __enter__(self) -> CollectiveCount:
         self.calls: list[tuple[str, tuple[int, ...]]] = []
-        self._saved = {n: getattr(dist, n) for n in ("all_reduce", "all_gather_into_tensor")}
+        names = ("all_reduce", "all_gather_into_tensor", "all_gather_single")
+        self._saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
 
         def recording(name):
             def call(tensor, *args, **kwargs):

@@ -72,9 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
         "suite",
         nargs="?",
         default="all",
-        choices=(*SUITES, "peers", "all"),
+        choices=(*SUITES, "peers", "cp", "all"),
         help="suite to run (default all: loss, distill, head); peers: the same data through TRL, verl, "
-        "cut-cross-entropy and Liger where installed (CPU)",
+        "cut-cross-entropy and Liger where installed (CPU); cp: a bin split over context-parallel gloo ranks",
     )
     bench.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     bench.add_argument("--quick", action="store_true", help="small sizes and few repeats (about a minute on 2 cores)")
