@@ -1,6 +1,7 @@
 """packloss.testing.context_parallel: every case of the harness gives the single-process loss,
 gradient (after DDP's averaging) and metrics on every (dp, cp) layout and shard style. CI runs each
-layout once (styles rotating); ``PACKLOSS_CP_FULL=1`` (``make test-cp``) runs every layout × style."""
+layout once (styles rotating); ``PACKLOSS_CP_FULL=1`` (``make test-cp``) runs every layout × style
+with every trust region in every normalisation mode."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("dp, cp, style", RUNS, ids=[f"dp{d}-cp{c}-{s}" for d, c, s in RUNS])
 def test_every_case_equals_one_process(dp, cp, style):
-    all_cases = cases()
+    all_cases = cases(every_mode=FULL)
     for case, (single, ranks) in zip(all_cases, run_invariance(all_cases, dp, cp, style), strict=True):
         assert single["grad"].abs().max() > 0, case.name  # the step trains something
         for rank, r in enumerate(ranks):
@@ -45,7 +46,8 @@ def test_the_cases_cover_every_objective_family():
     families = {"sft", "entropy", "forward_kl", "jsd", "head_reverse_kl", "head_jsd", "ratio_weighted_kl"}
     assert families | {"kl_penalties", "ref_kl", "dppo"} <= names
     modes = {c.name.split("/")[1] for c in cases() if c.name.startswith("ppo_clip/")}
-    assert modes == {"token", "position", "sequence_mean", "sequence_sum", "constant", "group_mean"}
+    assert modes == {"token", "token-weighted", "position", "sequence_mean", "sequence_sum", "constant", "group_mean"}
+    assert len({c.name for c in cases(every_mode=True)}) == len(cases(every_mode=True))
 
 
 @pytest.mark.parametrize("style", STYLES)

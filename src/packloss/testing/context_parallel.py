@@ -84,17 +84,25 @@ def _pg(name: str, objective: object, mode: str = "token", **flags: bool) -> Cas
     return Case(name, (("pg", objective, mode),), **flags)
 
 
-def cases() -> list[Case]:
-    """Every registered trust region (weighted, token mean), every normalisation mode (PPO clip and
-    the sequence-coupled regions), every correction level and gate, the KL terms, SFT, entropy,
-    sampled and full-vocabulary distillation, and a several-component step."""
+SEQUENCE_COUPLED = ("ppo_clip", "gspo", "sequence_level", "sequence_ratio_clip", "geo_mean", "vespo", "topr")
+"""The regions every mode is run with by default (PPO clip, and those that read per-sequence sums)."""
+
+
+def cases(every_mode: bool = False) -> list[Case]:
+    """Every registered trust region (weighted, token mean), every normalisation mode (for PPO clip and
+    the sequence-coupled regions; for every region with ``every_mode``), every correction level and
+    gate, the KL terms, SFT, entropy, sampled and full-vocabulary distillation (from logits and through
+    the fused head), and a several-component step."""
     out = []
     for name, region in sorted(TRUST_REGIONS.items()):
         selects = issubclass(region, StepSelector)
-        out.append(_pg(f"{name}/token", PolicyGradient(_region(name)), weighted=True, select=selects))
+        out.append(_pg(f"{name}/token-weighted", PolicyGradient(_region(name)), weighted=True, select=selects))
     modes = [m.value for m in Normalize]
-    for region in ("ppo_clip", "gspo", "sequence_level", "sequence_ratio_clip", "geo_mean", "vespo", "topr"):
-        out += [_pg(f"{region}/{m}", PolicyGradient(_region(region)), m) for m in modes]
+    for region in sorted(TRUST_REGIONS) if every_mode else SEQUENCE_COUPLED:
+        selects = issubclass(TRUST_REGIONS[region], StepSelector)
+        out += [_pg(f"{region}/{m}", PolicyGradient(_region(region)), m, select=selects) for m in modes if m != "token"]
+        if region in SEQUENCE_COUPLED:
+            out.append(_pg(f"{region}/token", PolicyGradient(_region(region)), "token"))
     corrections = [
         RolloutCorrection("token", "truncate"), RolloutCorrection("token", "mask", high=1.5, low=0.5),
         RolloutCorrection("sequence", "truncate", high=3.0), RolloutCorrection("sequence", "mask", high=4.0, low=0.25),
