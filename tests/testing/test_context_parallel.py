@@ -56,3 +56,18 @@ def test_shards_partition_every_bin(style, cp):
     for i, b in enumerate(make_bins(num_bins=6, seed=3)):
         held = torch.cat([shard_of(b, style, c, cp, seed=i).positions for c in range(cp)])
         assert torch.equal(held.sort().values, torch.arange(b.num_tokens))
+
+
+@pytest.mark.parametrize("style", STYLES)
+def test_the_harness_bins_hold_the_edge_cases_at_cp4(style):
+    """An empty shard, a sequence wholly on one rank and one spanning all four ranks."""
+    empty = single = spanning = False
+    for i, b in enumerate(make_bins()):
+        ids = torch.repeat_interleave(torch.arange(len(b.seq_lens)), torch.tensor(b.seq_lens))
+        shards = [shard_of(b, style, c, 4, seed=1000 * i) for c in range(4)]
+        empty |= any(s.num_tokens == 0 for s in shards)
+        held = [set(ids[s.positions].tolist()) for s in shards]
+        ranks_per_seq = [{c for c in range(4) if q in held[c]} for q in range(len(b.seq_lens))]
+        single |= any(len(r) == 1 for r in ranks_per_seq)
+        spanning |= any(len(r) == 4 for r in ranks_per_seq)
+    assert empty and single and spanning

@@ -135,7 +135,8 @@ def cases(every_mode: bool = False) -> list[Case]:
 
 
 def make_bins(num_bins: int = 4, seed: int = 0, max_len: int = 9) -> list[Bin]:
-    """``num_bins`` bins of 1–6 sequences of 1–``max_len`` tokens (one of length 1), prompts outside
+    """``num_bins`` bins of 1–6 sequences of 1–``max_len`` tokens (one of length 1; the third bin also
+    one of ``3·max_len`` in second place, which spans every rank of a CP group of 4), prompts outside
     the mask, one sequence without members, per-sequence advantages, drifting log-prob streams."""
     g = torch.Generator().manual_seed(seed)
     model = make_model()
@@ -144,6 +145,9 @@ def make_bins(num_bins: int = 4, seed: int = 0, max_len: int = 9) -> list[Bin]:
         s = int(torch.randint(1, 7, (1,), generator=g))
         lens = [int(v) for v in torch.randint(1, max_len + 1, (s,), generator=g)]
         lens[0] = 1 if b % 2 else lens[0]
+        if b == 2:
+            lens.insert(1, 3 * max_len)
+            s += 1
         n = sum(lens)
         seq_ids = torch.repeat_interleave(torch.arange(s), torch.tensor(lens))
         start = torch.tensor([0, *torch.tensor(lens).cumsum(0)[:-1].tolist()])[seq_ids]
