@@ -120,12 +120,9 @@ class ContextShard:
         parts = 2 * size
         lengths = torch.tensor(lens, dtype=torch.long)  # [S]
         starts = torch.tensor((0, *itertools.accumulate(lens[:-1])), dtype=torch.long)  # [S]
-        pieces = []
-        for j in (rank, parts - 1 - rank):
-            lo, hi = starts + j * lengths // parts, starts + (j + 1) * lengths // parts  # [S]
-            pieces.append((lo, hi))
-        lo = torch.stack([pieces[0][0], pieces[1][0]], 1).reshape(-1)  # [2S], per sequence its two chunks
-        hi = torch.stack([pieces[0][1], pieces[1][1]], 1).reshape(-1)
+        j = torch.tensor([rank, parts - 1 - rank])  # [2], the chunks this rank holds
+        lo = (starts[:, None] + j * lengths[:, None] // parts).reshape(-1)  # [2S], per sequence its two chunks
+        hi = (starts[:, None] + (j + 1) * lengths[:, None] // parts).reshape(-1)
         counts = hi - lo
         total = int(counts.sum())
         offsets = torch.repeat_interleave(lo - torch.cumsum(counts, 0) + counts, counts, output_size=total)

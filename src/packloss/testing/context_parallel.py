@@ -150,7 +150,7 @@ def make_bins(num_bins: int = 4, seed: int = 0, max_len: int = 9) -> list[Bin]:
             s += 1
         n = sum(lens)
         seq_ids = torch.repeat_interleave(torch.arange(s), torch.tensor(lens))
-        start = torch.tensor([0, *torch.tensor(lens).cumsum(0)[:-1].tolist()])[seq_ids]
+        start = torch.tensor([0, *torch.tensor(lens).cumsum(0)[:-1].tolist()])[seq_ids]  # sync-ok: host-side test data
         prompt = torch.randint(0, 3, (s,), generator=g)[seq_ids]
         mask = (torch.arange(n) - start) >= prompt
         if s > 1:
