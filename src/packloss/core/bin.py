@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 LOGPROB_STREAMS = ("rollout_logprobs", "old_logprobs", "ref_logprobs")
-TOKEN_STREAMS = (*LOGPROB_STREAMS, "advantages")
+TOKEN_STREAMS = (*LOGPROB_STREAMS, "advantages", "returns", "old_values")
 
 
 class Normalize(str, enum.Enum):
@@ -174,6 +174,11 @@ class Plan:
         group_ids: host ints, the prompt group of every sequence (``[S]``, ``≥ 0``, global over the
             step), for ``normalize="group_mean"``.
         old_logprobs: ``[N]``, log-probs under the old / proximal policy (absent: on-policy).
+        returns, old_values: ``[N]``, the critic's targets and its values at the rollout (value losses).
+        teacher_topk_ids, teacher_topk_logprobs: ``[N, K]`` a teacher's top-k token ids (long, ``-1`` =
+            absent) and their log-probs, for top-k distillation (the tail mass is what they leave).
+        chosen: host bools, per sequence: chosen / desirable (True) or rejected / undesirable (False), for
+            preference losses; their pairs are the ``group_ids``.
         shard: a :class:`~packloss.ContextShard` when the bin is split across context-parallel ranks:
             ``seq_lens`` is then the whole bin's and every stream holds the shard's ``N_r`` tokens.
 
@@ -191,6 +196,11 @@ class Plan:
     teacher_weight: Tensor | None = None
     group_ids: Sequence[int] | None = None
     old_logprobs: Tensor | None = None
+    returns: Tensor | None = None
+    old_values: Tensor | None = None
+    teacher_topk_ids: Tensor | None = None
+    teacher_topk_logprobs: Tensor | None = None
+    chosen: Sequence[bool] | None = None
     shard: ContextShard | None = None
     layout: Layout = field(init=False, repr=False)
     members: dict[str, Tensor] = field(init=False, repr=False)
@@ -234,6 +244,8 @@ class Plan:
             object.__setattr__(self, "group_ids", check_group_ids(self.group_ids, layout.num_seqs))
             group_index = layout.broadcast_ints(self.group_ids, first.device)
         object.__setattr__(self, "group_index", group_index)
+        if self.chosen is not None:
+            object.__setattr__(self, "chosen", checks.host_flags("chosen", self.chosen, layout.num_seqs))
         members: dict[str, Tensor] = {}
         weights: dict[str, Tensor | None] = {}
         for name, comp in self.components.items():
@@ -267,6 +279,17 @@ class Plan:
         for name in TOKEN_STREAMS:
             check(name, getattr(self, name), 1)
         check("teacher_logits", self.teacher_logits, 2)
+        check("teacher_topk_logprobs", self.teacher_topk_logprobs, 2)
+        if (self.teacher_topk_ids is None) != (self.teacher_topk_logprobs is None):
+            raise ValueError("teacher_topk_ids and teacher_topk_logprobs go together: give both or neither")
+        if self.teacher_topk_ids is not None:
+            ids = checks.tensor("teacher_topk_ids", self.teacher_topk_ids)
+            if ids.dtype not in (torch.int32, torch.int64) or ids.shape != self.teacher_topk_logprobs.shape:
+                raise ValueError(
+                    f"teacher_topk_ids must be int32/int64 of the shape of teacher_topk_logprobs "
+                    f"{list(self.teacher_topk_logprobs.shape)}, got {ids.dtype} {list(ids.shape)}"
+                )
+            checks.same_device("the plan", device, teacher_topk_ids=ids)
         check("teacher_hidden", self.teacher_hidden, 2)
         if (self.teacher_hidden is None) != (self.teacher_weight is None):
             raise ValueError("teacher_hidden and teacher_weight go together: give both or neither")

@@ -4,12 +4,12 @@ names the argument (in the caller's words) and what was wrong with it."""
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import Tensor
 
-__all__ = ["number", "positive", "nonnegative", "integer", "choice", "flag", "tensor"]
+__all__ = ["number", "positive", "nonnegative", "integer", "choice", "flag", "host_flags", "tensor"]
 
 
 def number(name: str, value: object, *, finite: bool = True) -> float:
@@ -60,6 +60,20 @@ def flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
     return value
+
+
+def host_flags(name: str, value: object, length: int) -> tuple[bool, ...]:
+    """``value`` as a tuple of ``length`` host bools (a list or tuple, never a tensor: no sync)."""
+    if isinstance(value, Tensor):
+        raise TypeError(f"{name} must be host-side Python bools (a list or tuple), not a tensor")
+    if isinstance(value, str | bytes) or not isinstance(value, Sequence):
+        raise TypeError(f"{name} must be a list or tuple of bools, got {type(value).__name__}")
+    flags = tuple(value)
+    if len(flags) != length:
+        raise ValueError(f"{name} holds {len(flags)} values for {length} sequences")
+    for f in flags:
+        flag(name, f)
+    return flags
 
 
 def tensor(
