@@ -1,5 +1,6 @@
-"""The Python snippets of ``docs/context_parallel.md`` run on two gloo ranks and give the gradient of
-one process (each snippet's ``step`` returns the step's gradient after the ranks' averaging)."""
+"""The Python snippets of the docs run: ``docs/context_parallel.md``'s on two gloo ranks give the
+gradient of one process (each snippet's ``step`` returns the step's gradient after the ranks'
+averaging); ``docs/critic.md``'s PPO step trains both of its components."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ from conftest import ROOT
 from packloss.testing.dist import run_gloo
 
 DOC = ROOT / "docs" / "context_parallel.md"
+CRITIC = ROOT / "docs" / "critic.md"
 
 
-def _program() -> str:
-    return "\n".join(re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S))
+def _program(doc=DOC) -> str:
+    return "\n".join(re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S))
 
 
 def _worker(rank: int, world: int, program: str, name: str):
@@ -32,3 +34,13 @@ def test_context_parallel_snippets_equal_one_process(name):
     assert one.abs().max() > 0
     for grad in ranks:
         torch.testing.assert_close(grad, one, rtol=1e-12, atol=1e-15)
+
+
+def test_critic_snippet_trains_the_policy_and_the_critic():
+    namespace: dict = {}
+    exec(compile(_program(CRITIC), str(CRITIC), "exec"), namespace)
+    for name in ("logprobs", "values"):
+        grad = namespace[name].grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert namespace["values"].grad[1] == 0  # the tool's token is no member
+    assert set(namespace["critic_metrics"]) == {"critic/loss", "critic/vf_clipfrac", "critic/vpred_mean"}

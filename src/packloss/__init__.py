@@ -11,7 +11,7 @@ from packloss.core.bin import (
     Plan,
 )
 from packloss.core.context_parallel import ContextShard, gradient_scale
-from packloss.core.corrections import GatedCorrection, RolloutCorrection
+from packloss.core.corrections import GatedCorrection, OffPolicyMask, RolloutCorrection
 from packloss.core.engine import LossResult, compute_loss
 from packloss.core.entropy import AdaptiveEntropy, Entropy
 from packloss.core.kl import KLPenalty, RatioWeightedKL
@@ -23,7 +23,8 @@ from packloss.core.recipe import POLICY, PRESETS, Recipe, preset
 from packloss.core.sft import SFT
 from packloss.core.step import StepDenominators, count_denominators
 from packloss.core.trust_regions import TRUST_REGIONS, PolicyTerms, Surrogate, TrustRegion, register_trust_region
-from packloss.vocab import VocabDistill, VocabParallel
+from packloss.core.value import ValueLoss
+from packloss.vocab import TopKDistill, VocabDistill, VocabParallel
 
 __all__ = [
     "Plan",
@@ -42,6 +43,7 @@ __all__ = [
     "RatioWeightedKL",
     "RolloutCorrection",
     "GatedCorrection",
+    "OffPolicyMask",
     "TrustRegion",
     "PolicyTerms",
     "Surrogate",
@@ -58,6 +60,7 @@ __all__ = [
     "Entropy",
     "AdaptiveEntropy",
     "VocabDistill",
+    "TopKDistill",
     "VocabParallel",
     "ComponentInputs",
     "ComponentOutput",
@@ -68,6 +71,7 @@ __all__ = [
     "PaddedLayout",
     "group_advantages",
     "gae_advantages",
+    "ValueLoss",
 ]
 
 __version__ = "0.3.0"

@@ -1,14 +1,17 @@
-"""Rollout corrections (TIS / MIS, token and sequence level) against a per-sequence reference written
-from their definitions; constant in θ; on the policy-gradient term only; NaN-safe; no syncs."""
+"""Rollout corrections (TIS / MIS, token and sequence level) and the off-policy sequence mask against a
+per-sequence reference written from their definitions; constant in θ; on the policy-gradient term
+only; NaN-safe; no syncs."""
 
 from __future__ import annotations
+
+import itertools
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
 from conftest import bin_of, check_against_paper, packings, poison_non_members, with_old
-from packloss import KLPenalty, PolicyGradient, RolloutCorrection, compute_loss
+from packloss import KLPenalty, OffPolicyMask, PolicyGradient, RolloutCorrection, compute_loss
 from packloss.core.trust_regions import PPOClip
 from packloss.testing import OpCounter
 
@@ -137,3 +140,71 @@ def test_correction_needs_the_rollout_stream():
     streams = bin_of("hot").replace(inference_logprobs=None)
     with pytest.raises((ValueError, TypeError), match="rollout_logprobs"):
         streams.plan(PolicyGradient(correction=RolloutCorrection()))
+
+
+def opsm_paper_loss(seq, threshold: float, against: str) -> torch.Tensor:
+    """One sequence under off-policy sequence masking: the PPO clip term is dropped when the sequence's
+    advantage is negative and ``mean(base − sg(trn)) > threshold``; the KL penalty stays."""
+    trn = seq.trn
+    ratio = (trn - seq.inf).exp()
+    pg = torch.min(ratio * seq.adv, ratio.clamp(0.8, 1.28) * seq.adv)
+    base = seq.inf if against == "rollout" else (trn.detach() if seq.old is None else seq.old)
+    drifted = (base - trn.detach()).mean() > threshold
+    keep = (seq.adv >= 0) | ~drifted
+    x = seq.ref - trn
+    return ((-torch.where(keep, pg, 0.0) + 0.05 * (x.exp() - x - 1)) * seq.w).sum()
+
+
+@pytest.mark.parametrize("against, with_old_stream", [("rollout", False), ("old", True), ("old", False)])
+@pytest.mark.parametrize("threshold", [-0.05, 0.1])
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=packings())
+def test_off_policy_mask_matches_reference(against, with_old_stream, threshold, case):
+    opm = OffPolicyMask(threshold, against)
+    objective = PolicyGradient(PPOClip(0.2, 0.28), ratio="rollout", penalties=(KLPenalty(0.05),), off_policy_mask=opm)
+    check_against_paper(
+        objective, lambda seq: opsm_paper_loss(seq, threshold, against), case, with_old=with_old_stream, rtol=1e-9
+    )
+
+
+def test_off_policy_mask_drops_what_it_reports_nan_safe_and_sync_free():
+    clean = with_old(bin_of("sdft", seed=7))
+    objective = PolicyGradient(PPOClip(), off_policy_mask=OffPolicyMask(0.0))
+    plan = clean.plan(objective)
+    out = compute_loss(plan, clean.outputs())
+    m, adv = plan.members["rl"], clean.advantages
+    drift = torch.zeros(m.shape, dtype=torch.float64)
+    ends = list(itertools.accumulate(clean.seq_lens))
+    for start, end in zip([0, *ends[:-1]], ends, strict=True):
+        sel = m[start:end]
+        if sel.any():
+            x = (clean.inference_logprobs - clean.trainer_logprobs.detach())[start:end][sel]
+            drift[start:end] = x.mean()
+    dropped = m & (adv < 0) & (drift > 0)
+    assert 0 < int(dropped.sum()) < int((m & (adv < 0)).sum())  # the mask binds on some negative tokens, not all
+    expected = dropped[m].double().mean()
+    assert out.metrics["rl/off_policy_masked"].item() == pytest.approx(expected.item(), rel=1e-6)
+    poisoned, _, _ = poison_non_members(clean)
+    out_poisoned = compute_loss(poisoned.plan(objective), poisoned.outputs())
+    assert torch.equal(out.loss, out_poisoned.loss)
+    totals = set()
+    for num_seqs in (1, 16, 256):
+        streams = with_old(bin_of("sdft", num_tokens=1024, num_seqs=num_seqs, seed=3))
+        plan = streams.plan(objective)
+        with OpCounter() as counter:
+            compute_loss(plan, streams.outputs()).loss.backward()
+        assert counter.num_syncs == 0, counter.syncs
+        totals.add(counter.total)
+    assert len(totals) == 1, totals
+
+
+def test_off_policy_mask_validation():
+    with pytest.raises(ValueError, match="OffPolicyMask.threshold must be finite"):
+        OffPolicyMask(float("nan"))
+    with pytest.raises(ValueError, match="OffPolicyMask.against must be one of"):
+        OffPolicyMask(0.1, "ref")
+    with pytest.raises(TypeError, match="off_policy_mask must be an OffPolicyMask"):
+        PolicyGradient(off_policy_mask=0.1)
+    streams = bin_of("hot").replace(inference_logprobs=None)
+    with pytest.raises(ValueError, match="rollout_logprobs"):
+        streams.plan(PolicyGradient(off_policy_mask=OffPolicyMask(0.1)))

@@ -228,3 +228,30 @@ def test_a_clipped_overflowing_ratio_has_the_clipped_value_and_no_gradient():
     (grad,) = torch.autograd.grad(loss, trn)
     assert loss.item() == pytest.approx(-(1.2 + 1.0))
     assert grad.tolist() == [0.0, -1.0]
+
+
+def test_ratio_cap_is_straight_through():
+    """``ratio_cap=C``: each kept token's term takes the value ``min(r, C)·A`` and the gradient of the
+    uncapped ``r·A`` (``∂r/∂trn = r``); the metric counts the members whose ratio was capped."""
+    trn = torch.tensor([-0.1, -2.0, -0.5, -1.0], dtype=torch.float64, requires_grad=True)
+    inf = torch.tensor([-1.5, -2.1, -0.4, -3.0], dtype=torch.float64)
+    adv = torch.tensor([1.0, -0.5, 2.0, 0.7], dtype=torch.float64)
+    mask = torch.tensor([True, True, True, False])
+    objective = PolicyGradient("none", ratio="rollout", ratio_cap=2.0)
+    plan = Plan([2, 2], {"pg": Component(objective, mask, None, "constant", 1.0)}, inf, None, adv)
+    out = compute_loss(plan, Outputs(logprobs=trn))
+    r = [math.exp(trn[i].item() - inf[i].item()) for i in range(3)]  # e^1.4 ≈ 4.06 > 2, e^0.1, e^−0.1
+    assert r[0] > 2.0 > r[1] and r[2] < 2.0
+    value = -(2.0 * 1.0 + r[1] * -0.5 + r[2] * 2.0)
+    assert out.loss.item() == pytest.approx(value, rel=1e-12)
+    (grad,) = torch.autograd.grad(out.loss, trn)
+    want = torch.tensor([-r[0] * 1.0, -r[1] * -0.5, -r[2] * 2.0, 0.0], dtype=torch.float64)
+    torch.testing.assert_close(grad, want, rtol=1e-12, atol=0)
+    assert out.metrics["pg/ratio_capped"].item() == pytest.approx(1 / 3)
+
+
+def test_ratio_cap_validation():
+    with pytest.raises(ValueError, match="PolicyGradient.ratio_cap must be > 0"):
+        PolicyGradient(ratio_cap=0.0)
+    with pytest.raises(ValueError, match="ratio_cap caps the token ratio r, which trust region GSPO"):
+        PolicyGradient("gspo", ratio_cap=10.0)

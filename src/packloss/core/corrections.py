@@ -13,12 +13,13 @@ from torch import Tensor
 from packloss.core import checks
 from packloss.core.segments import Segments
 
-__all__ = ["RolloutCorrection", "GatedCorrection"]
+__all__ = ["RolloutCorrection", "GatedCorrection", "OffPolicyMask"]
 
 LEVELS = ("token", "sequence")
 MODES = ("truncate", "mask")
 SEQUENCE_AGGS = ("sum", "mean")
 GATINGS = ("ratio", "binary_kl", "tv")
+AGAINST = ("rollout", "old")
 _PROB_CLAMP = 1e-6  # the divergence gates clamp probabilities to [1e-6, 1 − 1e-6] (OpenRLHF's)
 
 Metrics = dict[str, tuple[Tensor, Tensor]]
@@ -131,3 +132,30 @@ class GatedCorrection(RolloutCorrection):
         rho = torch.exp(torch.where(m, numerator - rollout, 0.0))  # [N]
         c = torch.where(m & kept, rho, 0.0)
         return c, {"rollout_is_weight": (c, m), "rollout_is_masked": (~kept, m)}
+
+
+@dataclass(frozen=True)
+class OffPolicyMask:
+    """Off-policy sequence masking (DeepSeek-V3.2; TRL's ``off_policy_mask_threshold``): a sequence with
+    a negative advantage whose sampler has drifted too far from the trainer gets no policy gradient::
+
+        δ_i   = mean_{t∈i} nan_to_num(base_t − sg(trn_t))    base = rollout | old (sg(trn) without one)
+        keep_t = A_t ≥ 0  or  δ_{i(t)} ≤ threshold
+
+    on the policy-gradient term only (a KL penalty still applies). ``A`` is the raw advantage. Metric
+    ``off_policy_masked``: the members it drops.
+    """
+
+    threshold: float
+    against: Literal["rollout", "old"] = "rollout"
+
+    def __post_init__(self) -> None:
+        checks.number("OffPolicyMask.threshold", self.threshold)
+        checks.choice("OffPolicyMask.against", self.against, AGAINST)
+
+    def keep(self, base: Tensor, trn: Tensor, adv: Tensor, m: Tensor, segments: Segments) -> tuple[Tensor, Metrics]:
+        """``(keep [N] bool, metrics)`` from the detached ``base`` and ``trn`` log-probs and ``adv`` ``[N]``."""
+        kl = torch.where(m, torch.nan_to_num(base - trn, nan=0.0), 0.0)  # [N]
+        drifted = segments.broadcast(segments.mean(kl, m)[0] > self.threshold)  # [N]
+        keep = (adv >= 0) | ~drifted
+        return keep, {"off_policy_masked": (m & ~keep, m)}

@@ -34,7 +34,7 @@ class LossResult:
 
 def _compute_dtype(outputs: Outputs) -> torch.dtype:
     dtype = torch.float32
-    for value in (outputs.logprobs, outputs.entropy, outputs.logits, outputs.hidden):
+    for value in (outputs.logprobs, outputs.entropy, outputs.values, outputs.logits, outputs.hidden):
         if value is not None:
             dtype = torch.promote_types(dtype, value.dtype)
     return dtype

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from packloss.core import checks
 from packloss.core.bin import ComponentInputs, ComponentOutput, Objective, Plan, Selection
-from packloss.core.corrections import RolloutCorrection
+from packloss.core.corrections import OffPolicyMask, RolloutCorrection
 from packloss.core.dtypes import finite_exp, upcast
 from packloss.core.kl import KLPenalty, kl_estimate
 from packloss.core.metrics import metric_means
@@ -96,6 +96,10 @@ class PolicyGradient(Objective):
         adv_coef: coefficient of the policy-gradient term (prime-rl's ``adv_tau``).
         penalties: :class:`~packloss.KLPenalty` terms (none by default).
         correction: a :class:`~packloss.RolloutCorrection` (TIS / MIS) or None.
+        ratio_cap: ``C`` of a straight-through cap on the token ratio the trust region reads: its
+            value ``min(r, C)``, its gradient that of the uncapped ``r`` (``r − sg(r − min(r, C))``);
+            only for regions that read ``r`` (``TrustRegion.reads_token_ratio``). Metric ``ratio_capped``.
+        off_policy_mask: an :class:`~packloss.OffPolicyMask` (off-policy sequence masking) or None.
     """
 
     trust_region: TrustRegion | str = "ppo_clip"
@@ -104,6 +108,8 @@ class PolicyGradient(Objective):
     adv_coef: float = 1.0
     penalties: tuple[KLPenalty, ...] = ()
     correction: RolloutCorrection | None = None
+    ratio_cap: float | None = None
+    off_policy_mask: OffPolicyMask | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "trust_region", trust_region(self.trust_region))
@@ -117,6 +123,17 @@ class PolicyGradient(Objective):
         object.__setattr__(self, "penalties", penalties)
         if self.correction is not None and not isinstance(self.correction, RolloutCorrection):
             raise TypeError(f"correction must be a RolloutCorrection or None, got {type(self.correction).__name__}")
+        if self.ratio_cap is not None:
+            checks.positive("PolicyGradient.ratio_cap", self.ratio_cap)
+            if not self.trust_region.reads_token_ratio:
+                raise ValueError(
+                    f"ratio_cap caps the token ratio r, which trust region {type(self.trust_region).__name__} does "
+                    "not read (it computes from log r or log π)"
+                )
+        if self.off_policy_mask is not None and not isinstance(self.off_policy_mask, OffPolicyMask):
+            raise TypeError(
+                f"off_policy_mask must be an OffPolicyMask or None, got {type(self.off_policy_mask).__name__}"
+            )
 
     def __call__(self, inputs: ComponentInputs) -> ComponentOutput:
         return pg_loss(PolicyInputs.of(inputs), self)
@@ -130,6 +147,8 @@ class PolicyGradient(Objective):
             plan.require("rollout_logprobs", name)
         if any(p.against == "old" for p in self.penalties):
             plan.require("old_logprobs", name)
+        if self.off_policy_mask is not None and self.off_policy_mask.against == "rollout":
+            plan.require("rollout_logprobs", name)
         if self.advantage == "shipped":
             plan.require("advantages", name)
         if self.advantage == "ref_kl" or any(p.against == "ref" for p in self.penalties):
@@ -178,12 +197,15 @@ def policy_terms(p: PolicyInputs, objective: PolicyGradient) -> PolicyTerms:
     else:
         adv = torch.where(m, _need(p.advantages, "advantages", "advantage='shipped'"), 0.0)
     selected, scores = (None, None) if p.selection is None else p.selection
+    r = finite_exp(log_r)  # [N]
+    if objective.ratio_cap is not None:
+        r = r - (r - r.clamp(max=objective.ratio_cap)).detach()  # straight through: min(r, C), ∂r
     return PolicyTerms(
         m=m,
         trn=trn,
         base=base,
         log_r=log_r,
-        r=finite_exp(log_r),
+        r=r,
         adv=adv,
         a=objective.adv_coef * adv,
         segments=p.segments,
@@ -223,6 +245,16 @@ def pg_loss(p: PolicyInputs, objective: PolicyGradient) -> ComponentOutput:
     result = objective.trust_region.surrogate(t)
     pg = -result.objective  # [N]
     named: dict[str, tuple[Tensor, Tensor]] = {}
+    if objective.ratio_cap is not None:
+        named["ratio_capped"] = (finite_exp(t.log_r.detach()) > objective.ratio_cap, m)
+    if objective.off_policy_mask is not None:
+        opm = objective.off_policy_mask
+        base = t.numerator() if opm.against == "old" else t.rollout
+        if base is None:
+            raise ValueError("OffPolicyMask(against='rollout') needs rollout_logprobs, got None")
+        keep, mask_metrics = opm.keep(base, t.trn.detach(), t.adv, m, t.segments)
+        pg = torch.where(keep, pg, 0.0)
+        named.update(mask_metrics)
     if objective.correction is not None:
         numerator = t.old if objective.ratio == "old" and t.old is not None else t.trn.detach()
         if t.rollout is None:

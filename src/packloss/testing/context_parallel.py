@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from packloss.core.bin import Component, Normalize, Plan
 from packloss.core.context_parallel import ContextShard
-from packloss.core.corrections import GatedCorrection, RolloutCorrection
+from packloss.core.corrections import GatedCorrection, OffPolicyMask, RolloutCorrection
 from packloss.core.engine import compute_loss
 from packloss.core.entropy import Entropy
 from packloss.core.kl import KLPenalty, RatioWeightedKL
@@ -116,6 +116,8 @@ def cases(every_mode: bool = False) -> list[Case]:
     out += [
         _pg("kl_penalties", PolicyGradient(_region("gspo"), penalties=penalty), "group_mean"),
         _pg("dppo", DPPO, "sequence_mean"),
+        _pg("off_policy_mask", PolicyGradient("ppo_clip", off_policy_mask=OffPolicyMask(0.0)), "sequence_mean"),
+        _pg("ratio_cap", PolicyGradient("ipo", ratio="rollout", ratio_cap=1.05), "token"),
         _pg("ref_kl", REF_KL, "sequence_sum"),
         _pg("ratio_weighted_kl/sequence", RatioWeightedKL(0.1, level="sequence"), "sequence_mean"),
         Case("sft/sequence_mean", (("sft", SFT(), "sequence_mean"),), weighted=True),

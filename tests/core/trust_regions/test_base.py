@@ -4,13 +4,14 @@ PolicyTerms, SelectionStreams and StepSelector's contract."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
-from conftest import check_against_paper
-from packloss import PolicyGradient
+from conftest import bin_of, check_against_paper, with_old
+from packloss import PolicyGradient, compute_loss
+from packloss.core.pg import PolicyInputs, policy_terms
 from packloss.core.segments import Segments
 from packloss.core.trust_regions import (
     DPPOKL,
@@ -176,3 +177,27 @@ def test_a_step_selector_needs_the_engines_selection():
         region.selected(_terms())
     selected = torch.tensor([True, False, True])
     assert region.selected(_terms(selected=selected)).tolist() == [True, False, False]  # members only
+
+
+@pytest.mark.parametrize("name", sorted(TRUST_REGIONS))
+def test_reads_token_ratio_says_whether_the_surrogate_reads_r(name):
+    """The flag ``PolicyGradient(ratio_cap=)`` relies on: a region flagged False computes the same
+    surrogate whatever ``t.r`` holds; one flagged True changes its loss when the cap binds."""
+    region = TRUST_REGIONS[name]()
+    streams = with_old(bin_of("hot", seed=11))
+    if not region.reads_token_ratio:
+        plan = streams.plan(PolicyGradient(region))
+        s = streams
+        inputs = PolicyInputs(plan.members["rl"], s.trainer_logprobs, s.inference_logprobs, s.old_logprobs,
+                              s.ref_logprobs, s.advantages, plan.layout.segments)  # fmt: skip
+        t = policy_terms(inputs, PolicyGradient(region))
+        garbage = replace(t, r=torch.full_like(t.r, 7.0))
+        assert torch.equal(region.surrogate(t).objective, region.surrogate(garbage).objective)
+        with pytest.raises(ValueError, match="ratio_cap caps the token ratio r"):
+            PolicyGradient(region, ratio_cap=2.0)
+        return
+    plain = compute_loss(streams.plan(PolicyGradient(region)), streams.outputs()).loss
+    capped_objective = PolicyGradient(region, ratio_cap=1.02)
+    capped = compute_loss(streams.plan(capped_objective), streams.outputs())
+    assert not torch.equal(plain, capped.loss)
+    assert 0 < capped.metrics["rl/ratio_capped"].item() < 1

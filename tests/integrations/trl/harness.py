@@ -260,4 +260,8 @@ VARIANTS = {
                          vllm_importance_sampling_cap=1.5, vllm_importance_sampling_clip_min=-1.0),
     "sequence_is_on_sequence_level": dict(loss_type="grpo", importance_sampling_level="sequence", use_vllm=True,
                                           vllm_importance_sampling_mode="sequence_truncate"),
+    # off-policy sequence masking against vLLM's sampling log-probs, and (without vLLM) the old policy's
+    "off_policy_mask_vllm": dict(loss_type="grpo", off_policy_mask_threshold=0.2, beta=0.04, use_vllm=True,
+                                 vllm_importance_sampling_mode="token_truncate"),
+    "off_policy_mask_old": dict(loss_type="dapo", off_policy_mask_threshold=-0.1),
 }  # fmt: skip

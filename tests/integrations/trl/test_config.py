@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from trl import GRPOConfig
+from trl import GRPOConfig, GRPOTrainer
 
 from packloss import (
     compute_loss,
@@ -175,7 +175,7 @@ def test_trl_defaults_match_grpo_config():
     "options, error, match",
     [
         (dict(top_entropy_quantile=0.2), NotImplementedError, "GRPOConfig.top_entropy_quantile=0.2 is not mapped"),
-        (dict(off_policy_mask_threshold=0.5), NotImplementedError, "off_policy_mask_threshold"),
+        (dict(off_policy_mask_threshold=float("nan")), ValueError, "off_policy_mask_threshold must be finite"),
         (dict(use_adaptive_entropy=True), NotImplementedError, "use_adaptive_entropy"),
         (dict(use_vllm=True, vllm_importance_sampling_clip_max=None), NotImplementedError, "clip_max=None"),
         (dict(delta=1.1, epsilon_high=0.28), NotImplementedError, "GRPOConfig.delta=1.1"),
@@ -206,3 +206,16 @@ def test_missing_fields_take_trl_defaults_and_num_processes_scales_constants():
         from_trl(SimpleNamespace(), num_processes=0)
     with pytest.raises(TypeError, match="needs a GRPOConfig"):
         from_trl(None)
+
+
+@pytest.mark.parametrize("name", ["off_policy_mask_vllm", "off_policy_mask_old"])
+def test_off_policy_mask_variants_drop_some_negative_rows(name):
+    """The masking variants above are not vacuous: by TRL's own ``get_off_policy_mask`` on their batch,
+    some rows with a negative advantage are dropped and some kept."""
+    options = VARIANTS[name]
+    b = padded_batch(seed=len(name), rows=6)
+    base = b.sampling if options.get("use_vllm") else b.old
+    mask = (b.completion_mask * b.tool_mask).to(F64)
+    keep = GRPOTrainer.get_off_policy_mask(b.adv[:, None], b.logps, base, mask, options["off_policy_mask_threshold"])
+    negative = b.adv < 0
+    assert 0 < int((keep[:, 0] == 0).sum()) < int(negative.sum())

@@ -78,6 +78,9 @@ class TrustRegion:
     ``name`` is set by :func:`register_trust_region`; ``check`` validates the fields."""
 
     name: ClassVar[str] = ""
+    reads_token_ratio: ClassVar[bool] = True
+    """Whether the surrogate reads ``t.r``, the token ratio a ``PolicyGradient(ratio_cap=)`` caps
+    (False for the regions computing from ``log_r`` or ``trn``: sequence ratios, REINFORCE, SAPO)."""
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         raise NotImplementedError

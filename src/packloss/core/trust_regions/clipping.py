@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -87,6 +88,8 @@ class ClampedPPOClip(PPOClip):
     to :class:`PPOClip` where ``|log_r| ≤ 20``, past it ``r = e^±20`` with no gradient. Metric
     ``clip_ratio``: members with ``clip(r)·A < r·A``."""
 
+    reads_token_ratio: ClassVar[bool] = False
+
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         ratio = torch.exp(t.log_r.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))  # [N]
         return self.clipped_with_ratio_metric(t, ratio)
@@ -145,6 +148,8 @@ class SAPO(TrustRegion):
     ``r = exp(clamp(log_r, −20, 20))`` and ``A' = 0`` takes ``τ_neg``. Metric ``soft_gate``: the
     gradient's factor ``4 σ(1 − σ) ∈ (0, 1]``. No token is dropped.
     """
+
+    reads_token_ratio: ClassVar[bool] = False
 
     tau_pos: float = 1.0
     tau_neg: float = 1.05

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -126,6 +127,8 @@ class IcePopLogBand(TrustRegion):
     Metric ``is_masked``.
     """
 
+    reads_token_ratio: ClassVar[bool] = False
+
     ratio_low: float = 0.2
     ratio_high: float = 5.0
 
@@ -164,6 +167,8 @@ class _DPPOBinary(TrustRegion):
     ``pg_clipfrac``), ``is_masked_high`` / ``_low`` (``A' > 0`` / ``A' < 0`` among them) and
     ``is_truncated``: kept members with ``r > ratio_cap`` (verl's ``pg_clipfrac_lower``).
     """
+
+    reads_token_ratio: ClassVar[bool] = False
 
     low: float = 0.2
     high: float = 0.2

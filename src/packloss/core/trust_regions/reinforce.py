@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -41,6 +42,8 @@ class GPG(TrustRegion):
     verl's ``gpg`` advantage estimator, outside the loss: ship it as ``advantages``.
     """
 
+    reads_token_ratio: ClassVar[bool] = False
+
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         return Surrogate(torch.where(t.m, t.a * member_trn(t), 0.0), {})
 
@@ -64,6 +67,8 @@ class TOPR(TrustRegion):
     / ``_low``: negative-advantage members whose ratio is cut to ``high`` / raised to ``low``;
     ``negative_is_weight``: mean ``w`` over the negative-advantage members. No token is dropped.
     """
+
+    reads_token_ratio: ClassVar[bool] = False
 
     low: float = 0.0
     high: float = 1.0
@@ -107,6 +112,8 @@ class VESPO(TrustRegion):
     into ``w`` instead of multiplying its loss by ``c``, so its objective carries no correction of its
     own. Metric ``phi``: mean ``φ`` over the members. No token is dropped.
     """
+
+    reads_token_ratio: ClassVar[bool] = False
 
     k_pos: float = 2.0
     lambda_pos: float = 3.0

@@ -4,6 +4,7 @@ the differentiable ``s_i``), ``sequence_ratio_clip`` (PPO's clip on ``s_i``) and
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -34,6 +35,8 @@ class GSPO(TrustRegion):
     """GSPO-token (Zheng et al. 2025): PPO clip on ``s_t = sg(s_i) · exp(trn − sg(trn))`` with the
     sequence ratio ``s_i = exp(mean_{t∈i} log_r)``. Metrics ``seq_ratio_mean``/``_min``/``_max``."""
 
+    reads_token_ratio: ClassVar[bool] = False
+
     clip_low: float = 3e-4
     clip_high: float = 4e-4
 
@@ -63,6 +66,8 @@ class SequenceLevel(TrustRegion):
     ``seq_ratio_*``.
     """
 
+    reads_token_ratio: ClassVar[bool] = False
+
     inner: TrustRegion = PPOClip()
 
     def check(self) -> None:
@@ -88,6 +93,8 @@ class SequenceRatioClip(PPOClip):
     (GSPO-token detaches ``s_i``). No clamp. Metrics ``clip_ratio`` and ``seq_ratio_*``.
     """
 
+    reads_token_ratio: ClassVar[bool] = False
+
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         seq_log_r, count = _sequence_log_ratio(t)  # [S], differentiable
         seq_ratio = finite_exp(seq_log_r)  # [S]
@@ -109,6 +116,8 @@ class GMPO(TrustRegion):
     ``clip_frac_high`` / ``_low`` (``log r`` outside ``[−ε_low, ε_high]`` with ``A' > 0`` / ``< 0``),
     ``is_masked`` (the clip binds) and ``seq_ratio_*`` of ``ρ_i``.
     """
+
+    reads_token_ratio: ClassVar[bool] = False
 
     clip_low: float = 0.2
     clip_high: float = 0.2

@@ -9,7 +9,7 @@ from typing import Any
 
 from packloss.core import checks
 from packloss.core.bin import Component, Normalize
-from packloss.core.corrections import RolloutCorrection
+from packloss.core.corrections import OffPolicyMask, RolloutCorrection
 from packloss.core.entropy import Entropy
 from packloss.core.kl import KLPenalty, RatioWeightedKL
 from packloss.core.pg import PolicyGradient
@@ -89,9 +89,6 @@ def _check_unmapped(c: ConfigReader) -> None:
     if q < 1.0:
         why = "TRL keeps the tokens above a quantile of the entropy gathered over every rank's micro-batch"
         raise _unmapped("top_entropy_quantile", q, why)
-    if c.get("off_policy_mask_threshold") is not None:
-        why = "off-policy sequence masking (DeepSeek-V3.2) has no packloss part"
-        raise _unmapped("off_policy_mask_threshold", c.get("off_policy_mask_threshold"), why)
     if c.flag("use_adaptive_entropy"):
         raise _unmapped("use_adaptive_entropy", True, "the entropy coefficient changes with the measured entropy")
 
@@ -197,7 +194,15 @@ def from_trl(grpo_config: object, *, num_processes: int | None = None) -> Recipe
     beta = c.nonnegative("beta")
     bias_corrected = beta != 0 and c.flag("use_bias_correction_kl")
     penalties = (KLPenalty(beta, "k3", "ref"),) if beta != 0 and not bias_corrected else ()
-    pg = PolicyGradient(region, penalties=penalties, correction=None if loss_type == "vespo" else correction)
+    threshold = c.number("off_policy_mask_threshold", optional=True)
+    # TRL measures the drift against vLLM's sampling log-probs when it has them, else the old policy's
+    opm = None if threshold is None else OffPolicyMask(threshold, "rollout" if c.flag("use_vllm") else "old")
+    pg = PolicyGradient(
+        region,
+        penalties=penalties,
+        correction=None if loss_type == "vespo" else correction,
+        off_policy_mask=opm,
+    )
     components = {POLICY: Component(pg, normalize=mode, constant=constant)}
     if bias_corrected:
         components["kl"] = Component(RatioWeightedKL(beta, level), normalize=mode, constant=constant)
