@@ -6,7 +6,18 @@ import pytest
 import torch
 
 from conftest import bin_of, with_old
-from packloss import SFT, Component, KLPenalty, Normalize, PolicyGradient, Recipe, compute_loss, preset
+from packloss import (
+    SFT,
+    Component,
+    KLPenalty,
+    Normalize,
+    Outputs,
+    PolicyGradient,
+    Recipe,
+    ValueLoss,
+    compute_loss,
+    preset,
+)
 from packloss.core.bin import Plan
 from packloss.core.trust_regions import PPOClip
 
@@ -60,7 +71,7 @@ def test_recipe_components_share_the_mask():
 @pytest.mark.parametrize(
     "build, error, match",
     [
-        (lambda: preset("ppo"), ValueError, "name must be one of"),
+        (lambda: preset("reinforce"), ValueError, "name must be one of"),
         (lambda: Recipe({}), ValueError, "Recipe.components is empty"),
         (lambda: Recipe({"pg": PolicyGradient()}), TypeError, r"Recipe.components\['pg'\] must be a Component"),
         (lambda: Recipe({"pg": Component(SFT(), mask=torch.ones(2, dtype=torch.bool))}), ValueError, "template"),
@@ -72,3 +83,30 @@ def test_recipe_components_share_the_mask():
 def test_validation(build, error, match):
     with pytest.raises(error, match=match):
         build()
+
+
+def test_ppo_preset_is_the_policy_and_the_clipped_critic():
+    recipe = preset("ppo", value_clip=0.3)
+    assert list(recipe.components) == ["pg", "critic"]
+    pg, critic = recipe.components["pg"], recipe.components["critic"]
+    assert (pg.loss, pg.normalize) == (PolicyGradient(PPOClip(0.2, 0.2)), Normalize.TOKEN)
+    assert (critic.loss, critic.normalize) == (ValueLoss(clip=0.3), Normalize.TOKEN)
+    streams = with_old(bin_of("hot", seed=2))
+    g = torch.Generator().manual_seed(0)
+    n = streams.num_tokens
+    returns, old_values = (
+        torch.randn(n, generator=g, dtype=torch.float64),
+        torch.randn(n, generator=g, dtype=torch.float64),
+    )
+    values = (old_values + 0.5 * torch.randn(n, generator=g, dtype=torch.float64)).requires_grad_()
+    common = dict(
+        advantages=streams.advantages, old_logprobs=streams.old_logprobs, returns=returns, old_values=old_values
+    )
+    plan = Plan(streams.seq_lens, recipe.for_bin(streams.loss_mask), **common)
+    outputs = Outputs(logprobs=streams.trainer_logprobs, values=values)
+    m = streams.loss_mask
+    v, o, r = values[m], old_values[m], returns[m]
+    clipped = torch.minimum(torch.maximum(v, o - 0.3), o + 0.3)
+    critic_ref = (0.5 * torch.maximum((v - r) ** 2, (clipped - r) ** 2)).mean()
+    result = compute_loss(plan, outputs)
+    torch.testing.assert_close(result.terms["critic"], critic_ref, rtol=1e-12, atol=0)

@@ -3,9 +3,15 @@ file that exercises that trust region."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 
+import packloss
+import packloss.vocab
 from conftest import ROOT
+from packloss.core.bin import Objective
+from packloss.core.pg import PolicyGradient
 from packloss.core.trust_regions import TRUST_REGIONS
 from packloss.tools import objectives_doc
 
@@ -41,3 +47,12 @@ def test_tested_by_claims_hold(name):
         assert _uses(path, cls, name), f"{name}: {path} does not exercise {cls.__name__}"
     family = objectives_doc.family_test(cls)
     assert _uses(family, cls, name) and "reference" in (ROOT / family).read_text(), name
+
+
+def test_every_public_objective_is_listed_and_its_test_file_exercises_it():
+    public = {v for m in (packloss, packloss.vocab) for v in vars(m).values() if inspect.isclass(v)}
+    objectives = {c for c in public if issubclass(c, Objective)} - {Objective, PolicyGradient}
+    assert objectives == set(objectives_doc.OBJECTIVES)
+    for cls in objectives_doc.OBJECTIVES:
+        path = ROOT / objectives_doc.objective_test(cls)
+        assert cls.__name__ in path.read_text(), f"{path} does not exercise {cls.__name__}"

@@ -17,6 +17,7 @@ from packloss.core.bin import Component, Normalize
 from packloss.core.kl import KLPenalty
 from packloss.core.pg import PolicyGradient
 from packloss.core.trust_regions import PPOClip
+from packloss.core.value import ValueLoss
 
 __all__ = ["POLICY", "Recipe", "PRESETS", "preset"]
 
@@ -80,7 +81,24 @@ def _bnpo(beta: float = 0.0, clip_low: float = 0.2, clip_high: float = 0.2) -> R
     return Recipe({POLICY: Component(_pg(beta, clip_low, clip_high), normalize=Normalize.TOKEN)})
 
 
-PRESETS: dict[str, Callable[..., Recipe]] = {"grpo": _grpo, "dapo": _dapo, "dr_grpo": _dr_grpo, "bnpo": _bnpo}
+def _ppo(clip_low: float = 0.2, clip_high: float = 0.2, value_clip: float = 0.5, beta: float = 0.0) -> Recipe:
+    """PPO with a critic (verl's ``adv_estimator=gae``): PPO clip on the policy and the clipped value
+    loss ``critic`` (``ValueLoss(clip=value_clip)``), both token means over the step."""
+    return Recipe(
+        {
+            POLICY: Component(_pg(beta, clip_low, clip_high), normalize=Normalize.TOKEN),
+            "critic": Component(ValueLoss(clip=value_clip), normalize=Normalize.TOKEN),
+        }
+    )
+
+
+PRESETS: dict[str, Callable[..., Recipe]] = {
+    "grpo": _grpo,
+    "dapo": _dapo,
+    "dr_grpo": _dr_grpo,
+    "bnpo": _bnpo,
+    "ppo": _ppo,
+}
 """Named algorithms: ``name → builder(**options) -> Recipe``."""
 
 

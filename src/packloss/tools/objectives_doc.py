@@ -10,11 +10,16 @@ import inspect
 import sys
 from pathlib import Path
 
+from packloss.core.entropy import Entropy
+from packloss.core.kl import RatioWeightedKL
 from packloss.core.recipe import PRESETS
+from packloss.core.sft import SFT
 from packloss.core.trust_regions import TRUST_REGIONS
+from packloss.core.value import ValueLoss
 from packloss.integrations import trl, verl
+from packloss.vocab import TopKDistill, VocabDistill
 
-__all__ = ["TESTED_BY", "tested_by", "render", "main"]
+__all__ = ["TESTED_BY", "OBJECTIVES", "tested_by", "objective_test", "render", "main"]
 
 DOC = Path(__file__).resolve().parents[3] / "docs" / "objectives.md"
 
@@ -57,6 +62,16 @@ TESTED_BY: dict[str, tuple[str, ...]] = {
 }
 """The peers' tests behind each registered trust region, beside its family's own test file (a region
 missing here fails the docs test)."""
+
+
+OBJECTIVES: tuple[type, ...] = (SFT, Entropy, RatioWeightedKL, ValueLoss, VocabDistill, TopKDistill)
+"""The objectives besides ``PolicyGradient`` (a public one missing here fails the docs test)."""
+
+
+def objective_test(cls: type) -> str:
+    """The test file mirroring an objective's module: ``tests/<package>/test_<module>.py``."""
+    package, module = cls.__module__.split(".")[1:]
+    return f"tests/{package}/test_{module}.py"
 
 
 def family_test(cls: type) -> str:
@@ -192,6 +207,23 @@ def _regions() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _objectives() -> str:
+    lines = [
+        "## Other objectives",
+        "",
+        "Each is the loss of a `Component` like `PolicyGradient`; the engine applies its members, weights and "
+        "normalisation.",
+        "",
+        "| objective | per-token loss (from its docstring) | defaults | tested by |",
+        "|---|---|---|---|",
+    ]
+    for cls in OBJECTIVES:
+        name, test = f"`{cls.__module__}.{cls.__name__}`", f"`{objective_test(cls)}`"
+        cells = (name, _first_paragraph(cls), _defaults(cls), test)
+        lines.append("| " + " | ".join(_cell(c) for c in cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def _presets() -> str:
     lines = ["## Presets (`packloss.preset(name, **options)`)", "", "| name | recipe |", "|---|---|"]
     for name, build in PRESETS.items():
@@ -206,6 +238,7 @@ def render() -> str:
         _HEAD,
         _regions(),
         _PRIME_RL,
+        _objectives(),
         _presets(),
         _NORMALISATION,
         _METRICS,
