@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from packloss.testing.dist import run_gloo
+from packloss.testing.dist import run_gloo, run_program
 
 DOC = ROOT / "docs" / "context_parallel.md"
 CRITIC = ROOT / "docs" / "critic.md"
@@ -20,17 +20,11 @@ def _program(doc=DOC) -> str:
     return "\n".join(re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S))
 
 
-def _worker(rank: int, world: int, program: str, name: str):
-    namespace: dict = {}
-    exec(compile(program, str(DOC), "exec"), namespace)
-    return namespace[name](rank, world)
-
-
 @pytest.mark.parametrize("name", ["step", "ring_step"])
 def test_context_parallel_snippets_equal_one_process(name):
     program = _program()
-    (one,) = run_gloo(_worker, world_size=1, args=(program, name))
-    ranks = run_gloo(_worker, world_size=2, args=(program, name))
+    (one,) = run_gloo(run_program, world_size=1, args=(program, name, str(DOC)))
+    ranks = run_gloo(run_program, world_size=2, args=(program, name, str(DOC)))
     assert one.abs().max() > 0
     for grad in ranks:
         torch.testing.assert_close(grad, one, rtol=1e-12, atol=1e-15)

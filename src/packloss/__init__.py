@@ -15,10 +15,12 @@ from packloss.core.corrections import GatedCorrection, OffPolicyMask, RolloutCor
 from packloss.core.engine import LossResult, compute_loss
 from packloss.core.entropy import AdaptiveEntropy, Entropy
 from packloss.core.kl import KLPenalty, RatioWeightedKL
+from packloss.core.kto import KTO, kto_reference_kl
 from packloss.core.layout import Layout, PaddedLayout
 from packloss.core.metrics import all_reduce_metrics, merge_metrics
 from packloss.core.outputs import Outputs
 from packloss.core.pg import DPPO, IPO, REF_KL, PolicyGradient
+from packloss.core.preference import DPO, ORPO, SimPO
 from packloss.core.recipe import POLICY, PRESETS, Recipe, preset
 from packloss.core.sft import SFT
 from packloss.core.step import StepDenominators, count_denominators
@@ -72,6 +74,11 @@ __all__ = [
     "group_advantages",
     "gae_advantages",
     "ValueLoss",
+    "DPO",
+    "SimPO",
+    "ORPO",
+    "KTO",
+    "kto_reference_kl",
 ]
 
 __version__ = "0.3.0"

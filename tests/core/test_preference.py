@@ -37,9 +37,8 @@ from conftest import ROOT
 from packloss import SFT, Component, Outputs, Plan, compute_loss, count_denominators, merge_metrics
 from packloss.core.preference import DPO, ORPO, SimPO
 from packloss.testing import OpCounter
-from packloss.testing.dist import run_gloo
-from tests.integrations.openrlhf.test_loss import ORL, needs_openrlhf
-from tests.test_docs import _worker as exec_worker  # a picklable executor of a program: this module imports TRL
+from packloss.testing.dist import run_gloo, run_program
+from tests.integrations.openrlhf.harness import ORL, needs_openrlhf
 
 F64 = torch.float64
 RTOL = 1e-10
@@ -754,7 +753,7 @@ def test_a_context_parallel_bin_equals_one_process():
     namespace: dict = {}
     exec(compile(_CP_PROGRAM, "cp_program", "exec"), namespace)
     z, loss, grad, metrics, counts = namespace["step"](0, 1)
-    ranks = run_gloo(exec_worker, world_size=2, args=(_CP_PROGRAM, "step"))
+    ranks = run_gloo(run_program, world_size=2, args=(_CP_PROGRAM, "step"))
     assert z > 0
     torch.testing.assert_close(sum(r[2] for r in ranks), grad, rtol=1e-12, atol=1e-14)
     for rank_z, total, _, m, c in ranks:

@@ -6,11 +6,7 @@ gradient; sync-free, flat in S, NaN-safe off the members, float32 at least."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-import types
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -30,6 +26,7 @@ from packloss import (
 )
 from packloss.core.value import ValueLoss
 from packloss.testing import OpCounter
+from tests.integrations.openrlhf.harness import ORL, needs_openrlhf
 
 CLIP = 0.2
 
@@ -158,41 +155,15 @@ def test_bins_with_step_denominators_equal_verl_on_the_whole_batch(mode):
 # ---------------------------------------------------------------------------------------------------
 
 
-def _openrlhf_loss() -> types.ModuleType:
-    """The installed ``openrlhf/models/loss.py``, loaded by file as tests/integrations/openrlhf/test_loss.py
-    does (``openrlhf.models``'s ``__init__`` imports flash-attn and DeepSpeed; ``models/utils.py`` imports
-    ``deepspeed`` at the top only, so an empty stand-in answers it while the file loads)."""
-    if "_openrlhf_models.loss" in sys.modules:
-        return sys.modules["_openrlhf_models.loss"]
-    spec = importlib.util.find_spec("openrlhf")
-    if spec is None:
-        pytest.skip("OpenRLHF is not installed: pip install --no-deps openrlhf==0.11.2")
-    models = Path(next(iter(spec.submodule_search_locations))) / "models"
-    package = types.ModuleType("_openrlhf_models")
-    package.__path__ = [str(models)]
-    sys.modules["_openrlhf_models"] = package
-    stand_in = None
-    if "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is None:
-        stand_in = sys.modules["deepspeed"] = types.ModuleType("deepspeed")
-    try:
-        loss_spec = importlib.util.spec_from_file_location("_openrlhf_models.loss", models / "loss.py")
-        module = importlib.util.module_from_spec(loss_spec)
-        sys.modules[loss_spec.name] = module
-        loss_spec.loader.exec_module(module)
-    finally:
-        if stand_in is not None and sys.modules.get("deepspeed") is stand_in:
-            del sys.modules["deepspeed"]
-    return module
-
-
 @pytest.mark.parametrize("clip", [None, CLIP])
 @pytest.mark.parametrize("token_level", [True, False])
 @pytest.mark.parametrize("parts", [None, [[4, 1], [0, 2, 5], [3]]])
+@needs_openrlhf
 def test_equals_openrlhfs_value_loss(clip, token_level, parts):
     """One bin against OpenRLHF on the whole batch; several bins with step denominators against the
     sum of OpenRLHF's micro-batch losses under its global normalisation (``batch_num_tokens`` /
     ``global_batch_size``)."""
-    loss_module = _openrlhf_loss()
+    loss_module = ORL
     b = _bin(LENS, seed=3, empty=1)
     normalize = "token" if token_level else "sequence_mean"
     loss, grad, metrics = _packloss(b, ValueLoss(clip=clip), parts, normalize=normalize)

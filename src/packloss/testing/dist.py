@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["run_gloo"]
+__all__ = ["run_gloo", "run_program"]
 
 
 def _gloo_entry(rank, world_size, port, fn, args, queue):
@@ -62,3 +62,12 @@ def run_gloo(fn, world_size: int = 2, args: tuple = (), timeout: float = 120.0) 
             if p.is_alive():
                 p.terminate()
     return [out[r] for r in range(world_size)]
+
+
+def run_program(rank: int, world_size: int, program: str, name: str, filename: str = "<program>") -> object:
+    """A :func:`run_gloo` worker running Python source: ``exec`` the ``program`` and return its function
+    ``name`` called with ``(rank, world_size)`` (docs snippets; tests whose own module is slow to import
+    in every spawned rank)."""
+    namespace: dict = {}
+    exec(compile(program, filename, "exec"), namespace)
+    return namespace[name](rank, world_size)

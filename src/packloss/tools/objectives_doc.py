@@ -12,6 +12,8 @@ from pathlib import Path
 
 from packloss.core.entropy import Entropy
 from packloss.core.kl import RatioWeightedKL
+from packloss.core.kto import KTO
+from packloss.core.preference import DPO, ORPO, SimPO
 from packloss.core.recipe import PRESETS
 from packloss.core.sft import SFT
 from packloss.core.trust_regions import TRUST_REGIONS
@@ -64,7 +66,10 @@ TESTED_BY: dict[str, tuple[str, ...]] = {
 missing here fails the docs test)."""
 
 
-OBJECTIVES: tuple[type, ...] = (SFT, Entropy, RatioWeightedKL, ValueLoss, VocabDistill, TopKDistill)
+OBJECTIVES: tuple[type, ...] = (
+    *(SFT, Entropy, RatioWeightedKL, ValueLoss, DPO, SimPO, ORPO, KTO),
+    *(VocabDistill, TopKDistill),
+)
 """The objectives besides ``PolicyGradient`` (a public one missing here fails the docs test)."""
 
 

@@ -1,13 +1,8 @@
 """packloss.integrations.openrlhf against OpenRLHF 0.11.2's own ``PolicyLoss`` and ``aggregate_loss``, in float64.
 
-OpenRLHF's side is its installed ``openrlhf/models/loss.py``, loaded from the installed package by file
-(its ``openrlhf.models`` package imports the whole GPU stack: DeepSpeed, flash-attn, peft). The module's
-only other import is ``openrlhf/models/utils.py``, which imports ``deepspeed`` at the top and uses it only
-in functions these tests never call: when DeepSpeed is not installed, an empty stand-in module answers
-that one import while the files load, and is removed afterwards. Install the package without its
-dependencies: ``pip install --no-deps openrlhf==0.11.2`` (pure Python; OpenRLHF's full dependency set
-does not install on a CPU machine: flash-attn builds from source against CUDA). Without it the tests
-that call OpenRLHF skip.
+OpenRLHF's side is its installed ``openrlhf/models/loss.py``, loaded by file
+(``tests/integrations/openrlhf/harness.py``; OpenRLHF's full dependency set does not install on a CPU
+machine: flash-attn builds from source against CUDA). Without it the tests that call OpenRLHF skip.
 
 Batches are OpenRLHF's padded ``[B, T]`` micro-batches: ragged action masks with holes (integer, as
 OpenRLHF's samples generator builds them, or bool) and rows without any action token; padding
@@ -22,10 +17,7 @@ import importlib.util
 import itertools
 import math
 import re
-import sys
-import types
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
@@ -53,48 +45,12 @@ from packloss.integrations.openrlhf import (
     policy_gradient,
 )
 from packloss.testing import OpCounter
+from tests.integrations.openrlhf.harness import ORL, needs_openrlhf
 
 F64 = torch.float64
 RTOL = 1e-10
 ATOL = 1e-13  # sums of O(1) terms of mixed sign: absolute floor for values that cancel towards 0
 DOC = ROOT / "docs" / "integrations" / "openrlhf.md"
-
-
-# ---------------------------------------------------------------------------------------------------
-# OpenRLHF's own loss module, from the installed package
-# ---------------------------------------------------------------------------------------------------
-
-
-def _load_openrlhf_loss() -> types.ModuleType | None:
-    """``openrlhf/models/loss.py`` of the installed OpenRLHF, without running ``openrlhf.models``'s
-    ``__init__`` (module doc); None when OpenRLHF is not installed."""
-    try:
-        importlib.metadata.version("openrlhf")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    spec = importlib.util.find_spec("openrlhf")
-    models = Path(next(iter(spec.submodule_search_locations))) / "models"
-    package = types.ModuleType("_openrlhf_models")
-    package.__path__ = [str(models)]
-    sys.modules["_openrlhf_models"] = package
-    stand_in = None
-    if "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is None:
-        stand_in = sys.modules["deepspeed"] = types.ModuleType("deepspeed")
-    try:
-        loss_spec = importlib.util.spec_from_file_location("_openrlhf_models.loss", models / "loss.py")
-        module = importlib.util.module_from_spec(loss_spec)
-        sys.modules[loss_spec.name] = module
-        loss_spec.loader.exec_module(module)
-    finally:
-        if stand_in is not None and sys.modules.get("deepspeed") is stand_in:
-            del sys.modules["deepspeed"]
-    return module
-
-
-ORL = _load_openrlhf_loss()
-needs_openrlhf = pytest.mark.skipif(
-    ORL is None, reason=f"OpenRLHF is not installed: pip install --no-deps openrlhf=={OPENRLHF_VERSION}"
-)
 
 
 def test_openrlhf_is_installed_in_ci():
