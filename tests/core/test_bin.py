@@ -140,3 +140,31 @@ def test_tensor_constant_is_checked_by_deep_validation():
     Plan(LENS, {"sft": Component(SFT(), mask=s["mask"], normalize="constant", constant=torch.tensor(3.0))}).validate(
         deep=True
     )
+
+
+@pytest.mark.parametrize("source", ["teacher", "rollout"])
+def test_topk_streams_are_checked_together(source):
+    mask = torch.ones(5, dtype=torch.bool)
+    comps = {"sft": Component(SFT(), mask)}
+    ids, logprobs = torch.zeros(5, 3, dtype=torch.long), torch.full((5, 3), -2.0)
+    plan = Plan([2, 3], comps, **{f"{source}_topk_ids": ids, f"{source}_topk_logprobs": logprobs})
+    assert getattr(plan, f"{source}_topk_ids") is ids
+    with pytest.raises(ValueError, match=f"{source}_topk_ids and {source}_topk_logprobs go together"):
+        Plan([2, 3], comps, **{f"{source}_topk_logprobs": logprobs})
+    with pytest.raises(ValueError, match=f"{source}_topk_ids must be int32/int64"):
+        Plan([2, 3], comps, **{f"{source}_topk_ids": ids.float(), f"{source}_topk_logprobs": logprobs})
+    with pytest.raises(ValueError, match=f"{source}_topk_ids must be int32/int64 of the shape"):
+        Plan([2, 3], comps, **{f"{source}_topk_ids": ids[:, :2], f"{source}_topk_logprobs": logprobs})
+    with pytest.raises(ValueError, match=rf"{source}_topk_logprobs must have shape \[N, K\] with N=5"):
+        Plan([2, 3], comps, **{f"{source}_topk_ids": ids[:4], f"{source}_topk_logprobs": logprobs[:4]})
+
+
+def test_chosen_flags_are_host_bools_one_per_sequence():
+    comps = {"sft": Component(SFT(), torch.ones(5, dtype=torch.bool))}
+    assert Plan([2, 3], comps, chosen=[True, False]).chosen == (True, False)
+    with pytest.raises(TypeError, match="chosen must be host-side Python bools"):
+        Plan([2, 3], comps, chosen=torch.tensor([True, False]))
+    with pytest.raises(ValueError, match="chosen holds 1 values for 2 sequences"):
+        Plan([2, 3], comps, chosen=[True])
+    with pytest.raises(TypeError, match="chosen must be a bool"):
+        Plan([2, 3], comps, chosen=[1, 0])

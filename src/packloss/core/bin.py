@@ -177,6 +177,8 @@ class Plan:
         returns, old_values: ``[N]``, the critic's targets and its values at the rollout (value losses).
         teacher_topk_ids, teacher_topk_logprobs: ``[N, K]`` a teacher's top-k token ids (long, ``-1`` =
             absent) and their log-probs, for top-k distillation (the tail mass is what they leave).
+        rollout_topk_ids, rollout_topk_logprobs: ``[N, K]`` the sampler's top-k ids (``-1`` = absent) and
+            its log-probs there, for the sampler-aware objectives (with ``Outputs(topk_logprobs=)``).
         chosen: host bools, per sequence: chosen / desirable (True) or rejected / undesirable (False), for
             preference losses; their pairs are the ``group_ids``.
         shard: a :class:`~packloss.ContextShard` when the bin is split across context-parallel ranks:
@@ -200,6 +202,8 @@ class Plan:
     old_values: Tensor | None = None
     teacher_topk_ids: Tensor | None = None
     teacher_topk_logprobs: Tensor | None = None
+    rollout_topk_ids: Tensor | None = None
+    rollout_topk_logprobs: Tensor | None = None
     chosen: Sequence[bool] | None = None
     shard: ContextShard | None = None
     layout: Layout = field(init=False, repr=False)
@@ -268,7 +272,8 @@ class Plan:
                 return
             checks.tensor(name, value, floating=not boolean, boolean=boolean)
             if value.dim() != dims or value.shape[0] != n:
-                want = f"[{n}]" if dims == 1 else f"[N, {'V' if name == 'teacher_logits' else 'H_t'}] with N={n}"
+                width = "V" if name == "teacher_logits" else "K" if "topk" in name else "H_t"
+                want = f"[{n}]" if dims == 1 else f"[N, {width}] with N={n}"
                 raise ValueError(f"{name} must have shape {want}, got {list(value.shape)}")
             if value.device != device:
                 raise ValueError(f"{name} is on {value.device} but the plan's other tensors are on {device}")
@@ -279,17 +284,20 @@ class Plan:
         for name in TOKEN_STREAMS:
             check(name, getattr(self, name), 1)
         check("teacher_logits", self.teacher_logits, 2)
-        check("teacher_topk_logprobs", self.teacher_topk_logprobs, 2)
-        if (self.teacher_topk_ids is None) != (self.teacher_topk_logprobs is None):
-            raise ValueError("teacher_topk_ids and teacher_topk_logprobs go together: give both or neither")
-        if self.teacher_topk_ids is not None:
-            ids = checks.tensor("teacher_topk_ids", self.teacher_topk_ids)
-            if ids.dtype not in (torch.int32, torch.int64) or ids.shape != self.teacher_topk_logprobs.shape:
-                raise ValueError(
-                    f"teacher_topk_ids must be int32/int64 of the shape of teacher_topk_logprobs "
-                    f"{list(self.teacher_topk_logprobs.shape)}, got {ids.dtype} {list(ids.shape)}"
-                )
-            checks.same_device("the plan", device, teacher_topk_ids=ids)
+        for source in ("teacher", "rollout"):
+            ids_name, lp_name = f"{source}_topk_ids", f"{source}_topk_logprobs"
+            ids, logprobs = getattr(self, ids_name), getattr(self, lp_name)
+            check(lp_name, logprobs, 2)
+            if (ids is None) != (logprobs is None):
+                raise ValueError(f"{ids_name} and {lp_name} go together: give both or neither")
+            if ids is not None:
+                checks.tensor(ids_name, ids)
+                if ids.dtype not in (torch.int32, torch.int64) or ids.shape != logprobs.shape:
+                    raise ValueError(
+                        f"{ids_name} must be int32/int64 of the shape of {lp_name} {list(logprobs.shape)}, "
+                        f"got {ids.dtype} {list(ids.shape)}"
+                    )
+                checks.same_device("the plan", device, **{ids_name: ids})
         check("teacher_hidden", self.teacher_hidden, 2)
         if (self.teacher_hidden is None) != (self.teacher_weight is None):
             raise ValueError("teacher_hidden and teacher_weight go together: give both or neither")

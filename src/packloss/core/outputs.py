@@ -12,19 +12,21 @@ from packloss.core import checks
 
 __all__ = ["Outputs", "OUTPUT_DIMS"]
 
-OUTPUT_DIMS = {"logprobs": 1, "entropy": 1, "values": 1, "logits": 2, "hidden": 2}
+OUTPUT_DIMS = {"logprobs": 1, "entropy": 1, "values": 1, "topk_logprobs": 2, "logits": 2, "hidden": 2}
 
 
 @dataclass(frozen=True, eq=False)
 class Outputs:
     """What the forward produced for a bin (give what the components use): ``logprobs [N]`` the
     trainer's log-probs of the sampled tokens, ``entropy [N]``, ``values [N]`` a critic's values,
+    ``topk_logprobs [N, K]`` the trainer's log-probs at the plan's ``rollout_topk_ids``,
     ``logits [N, V]`` student logits, or ``hidden [N, H]`` with ``head_weight [V, H]`` (the fused head:
     the ``N × V`` logits never exist)."""
 
     logprobs: Tensor | None = None
     entropy: Tensor | None = None
     values: Tensor | None = None
+    topk_logprobs: Tensor | None = None
     logits: Tensor | None = None
     hidden: Tensor | None = None
     head_weight: Tensor | None = None
