@@ -1,14 +1,17 @@
-"""TRL 1.16's ``GRPOTrainer._compute_loss`` without TRL's ``__init__`` (no model, no generation).
+"""TRL 1.16's ``GRPOTrainer._compute_loss`` without TRL's ``__init__`` (no model, no generation), and
+a model's micro-batch as TRL's generation returns it (:func:`completion_batch`).
 
 The tests in ``tests/integrations/test_trl*.py`` and ``packloss bench peers`` run TRL's own loss on a
 padded batch they build; they share this one copy of what ``__init__`` would have set, so that a TRL
-upgrade that reads one more attribute is fixed in one place. Imports neither ``trl`` nor a model: the
-caller passes the ``GRPOTrainer`` class (the bench skips TRL when it cannot be imported).
+upgrade that reads one more attribute is fixed in one place. The head tests and ``packloss bench
+trainers`` feed real trainers :func:`completion_batch`'s token ids. Imports neither ``trl`` nor a model:
+the caller passes the ``GRPOTrainer`` class (the bench skips TRL when it cannot be imported).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -17,7 +20,9 @@ from torch import Tensor
 
 from packloss.integrations.trl import TRL_DEFAULTS
 
-__all__ = ["GRPO_FIELDS", "OneProcess", "trl_config", "bare_grpo_trainer", "stub_forward", "padded_inputs"]
+__all__ = [
+    "GRPO_FIELDS", "OneProcess", "trl_config", "bare_grpo_trainer", "stub_forward", "padded_inputs", "completion_batch",
+]  # fmt: skip
 
 GRPO_FIELDS = (
     "loss_type", "beta", "importance_sampling_level", "top_entropy_quantile", "off_policy_mask_threshold",
@@ -95,4 +100,30 @@ def padded_inputs(
         "advantages": advantages,
         "num_items_in_batch": num_items_in_batch,
         **streams,
+    }
+
+
+def completion_batch(
+    vocab: int, prompt_lens: Sequence[int], completion_lens: Sequence[int], seed: int = 0, pad_id: int = 0
+) -> dict[str, Tensor]:
+    """A micro-batch of ``_compute_loss``'s inputs with token ids, as TRL's generation returns it: prompts
+    left-padded and completions right-padded with ``pad_id`` (masks 0 there), ids drawn from
+    ``[1, vocab)``, one advantage per row and ``num_items_in_batch`` (the completion tokens)."""
+    if len(prompt_lens) != len(completion_lens):
+        raise ValueError(
+            f"prompt_lens and completion_lens must have one length per row, got {prompt_lens}, {completion_lens}"
+        )
+    g = torch.Generator().manual_seed(seed)
+    rows, width_p, width_c = len(prompt_lens), max(prompt_lens), max(completion_lens)
+    prompt_mask = (torch.arange(width_p) >= width_p - torch.tensor(prompt_lens)[:, None]).long()  # [B, P]
+    completion_mask = (torch.arange(width_c) < torch.tensor(completion_lens)[:, None]).long()  # [B, C]
+    prompt_ids = torch.randint(1, vocab, (rows, width_p), generator=g).masked_fill(prompt_mask == 0, pad_id)
+    completion_ids = torch.randint(1, vocab, (rows, width_c), generator=g).masked_fill(completion_mask == 0, pad_id)
+    return {
+        "prompt_ids": prompt_ids,
+        "prompt_mask": prompt_mask,
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
+        "advantages": torch.randn(rows, generator=g),
+        "num_items_in_batch": completion_mask.sum(),
     }

@@ -72,9 +72,10 @@ def build_parser() -> argparse.ArgumentParser:
         "suite",
         nargs="?",
         default="all",
-        choices=(*SUITES, "peers", "cp", "all"),
+        choices=(*SUITES, "peers", "cp", "trainers", "all"),
         help="suite to run (default all: loss, distill, head); peers: the same data through TRL, verl, "
-        "cut-cross-entropy and Liger where installed (CPU); cp: a bin split over context-parallel gloo ranks",
+        "cut-cross-entropy and Liger where installed (CPU); cp: a bin split over context-parallel gloo ranks; "
+        "trainers: one step of TRL's GRPOTrainer and PacklossGRPOTrainer at Qwen2's vocabulary (CPU)",
     )
     bench.add_argument("--device", type=device_name, default="cpu", help="cpu, cuda or cuda:N (default cpu)")
     bench.add_argument("--quick", action="store_true", help="small sizes and few repeats (about a minute on 2 cores)")

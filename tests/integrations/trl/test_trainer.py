@@ -6,7 +6,8 @@ of two accumulated micro-batches each (SGD, so a parameter update is the gradien
 same seed. Generation is TRL's sampling with the global torch generator, seeded by TRL from
 ``args.seed``; both runs draw the same numbers (the loss consumes none), so the completions are the
 same, which is asserted. ``num_iterations=2`` makes the second step reuse the first step's completions
-with TRL's old log-probs, so the ratio moves and clips (asserted where it must). Agreement: each
+with TRL's old log-probs, so the ratio moves and clips (asserted where it must). PacklossGRPOTrainer
+computes every log-prob with packloss's head (the default), TRL's with ``packloss_head=False``. Agreement: each
 step's logged loss within 1e-6 absolute (losses are O(0.1), float32), every metric TRL logs within
 1e-5 relative / 1e-6 absolute, and the parameters after each step within 1e-6 of their scale, where
 each step moves them by more than 1e-2.
@@ -180,6 +181,14 @@ def test_trainer_matches_trl_end_to_end(tiny, name):
     assert_same_run(
         train(tiny, GRPOTrainer, options), train(tiny, PacklossGRPOTrainer, options), options.get("num_iterations") == 2
     )
+
+
+def test_trls_head_end_to_end(tiny):
+    """``packloss_head=False``: TRL's fused head computes the log-probs, packloss the loss."""
+    options = dict(loss_type="grpo", beta=0.04, entropy_coef=0.01, num_iterations=2)
+    ours = train(tiny, PacklossGRPOTrainer, options, packloss_head=False)
+    assert not ours[0].packloss_head
+    assert_same_run(train(tiny, GRPOTrainer, options), ours, ratio_moves=True)
 
 
 def test_step_normalization(tiny):

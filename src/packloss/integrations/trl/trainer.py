@@ -1,19 +1,23 @@
-"""TRL 1.16's ``GRPOTrainer`` with its loss computed by packloss: :class:`PacklossGRPOTrainer`.
+"""TRL 1.16's ``GRPOTrainer`` with its loss and LM head computed by packloss: :class:`PacklossGRPOTrainer`.
 
-Everything but the loss is TRL's. ``_compute_loss`` runs TRL's forward, packs TRL's padded completion
-batch into one bin (row ``b`` → sequence ``b``; reading the ``B`` row lengths is one device→host read)
-and computes ``from_trl(args)``'s loss with TRL's denominators (``packloss_normalization="trl"``, the
-default) or packloss's step denominators (``"step"``). The streams, both normalisations and the
-metrics: ``docs/integrations/trl.md``.
+Everything but the loss and the LM head is TRL's. ``_compute_loss`` runs TRL's forward, packs TRL's padded
+completion batch into one bin (row ``b`` → sequence ``b``; reading the ``B`` row lengths is one device→host
+read) and computes ``from_trl(args)``'s loss with TRL's denominators (``packloss_normalization="trl"``, the
+default) or packloss's step denominators (``"step"``). With ``packloss_head=True`` (the default) every
+log-prob and entropy TRL computes — the policy's, the old policy's, the reference model's — comes from
+packloss's fused head at the completion positions (:mod:`.head`). The streams, both normalisations, the
+head and the metrics: ``docs/integrations/trl.md``.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate.utils import is_peft_model
 from torch import Tensor
 from trl import GRPOTrainer
 
@@ -26,6 +30,7 @@ from packloss.core.recipe import POLICY, Recipe
 from packloss.core.step import StepDenominators, count_denominators
 from packloss.integrations.common.padded import PaddedBatch
 from packloss.integrations.trl.config import from_trl
+from packloss.integrations.trl.head import HeadCall, install_head
 
 __all__ = ["PacklossGRPOTrainer", "NORMALIZATIONS", "TRL_METRICS"]
 
@@ -81,20 +86,28 @@ def _check_normalization(config: Any, normalization: str) -> None:
 
 
 class PacklossGRPOTrainer(GRPOTrainer):
-    """TRL's ``GRPOTrainer`` whose loss is packloss's ``from_trl(args)`` recipe.
+    """TRL's ``GRPOTrainer`` whose loss is packloss's ``from_trl(args)`` recipe and whose log-probs and
+    entropy come from packloss's fused head.
 
-    Takes ``GRPOTrainer``'s arguments and ``packloss_normalization`` (``"trl"``, default, or
-    ``"step"``). Options ``from_trl`` does not map raise ``NotImplementedError`` before any model
-    loads. Attributes: ``packloss_recipe`` (the :class:`~packloss.Recipe`), ``packloss_normalization``.
+    Takes ``GRPOTrainer``'s arguments, ``packloss_normalization`` (``"trl"``, default, or ``"step"``) and
+    ``packloss_head`` (True, default: packloss's head for the policy and the reference model; False:
+    TRL's). Options ``from_trl`` does not map raise ``NotImplementedError`` before any model loads; a
+    model whose output layer packloss's head cannot compute raises once loaded (the message names
+    ``packloss_head=False``). Attributes: ``packloss_recipe`` (the :class:`~packloss.Recipe`),
+    ``packloss_normalization``, ``packloss_head``.
     """
 
-    def __init__(self, *args: Any, packloss_normalization: str = "trl", **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, packloss_normalization: str = "trl", packloss_head: bool = True, **kwargs: Any
+    ) -> None:
         config = inspect.signature(GRPOTrainer.__init__).bind(None, *args, **kwargs).arguments.get("args")
+        checks.flag("PacklossGRPOTrainer.packloss_head", packloss_head)
         if config is not None:  # fail before the models load
             from_trl(config)
             _check_normalization(config, packloss_normalization)
         super().__init__(*args, **kwargs)
         self._init_packloss(packloss_normalization)
+        self._init_packloss_head(packloss_head)
 
     def _init_packloss(self, normalization: str) -> None:
         """The recipe and the normalisation mode, from ``self.args`` (``GRPOTrainer.__init__`` has run)."""
@@ -102,6 +115,42 @@ class PacklossGRPOTrainer(GRPOTrainer):
         self.packloss_normalization = normalization
         self.packloss_recipe: Recipe = from_trl(self.args, num_processes=self.accelerator.num_processes)
         self._packloss_windows: list[StepDenominators] = []
+
+    def _init_packloss_head(self, enabled: bool) -> None:
+        """Put packloss's head into the models TRL patched with its own (the policy's base model under
+        PEFT, the reference model when there is one)."""
+        self.packloss_head = enabled
+        if not enabled:
+            return
+        if self.aux_loss_enabled:
+            raise NotImplementedError(
+                "PacklossGRPOTrainer(packloss_head=True) does not compute the MoE load-balancing loss "
+                "(router_aux_loss_coef != 0); pass packloss_head=False to keep TRL's head"
+            )
+        install_head(self.model.get_base_model() if is_peft_model(self.model) else self.model)
+        if self.ref_model is not None:
+            install_head(self.accelerator.unwrap_model(self.ref_model))
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model: Any,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **kwargs: Any,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """TRL's method (its batching, multimodal inputs and autocast) with the model called with
+        ``packloss_head=HeadCall(...)``: TRL calls ``model`` once per chunk and reads only its output."""
+        if self.packloss_head:
+            entropy_grad = compute_entropy and self._entropy_bonus_enabled
+            call = HeadCall(logits_to_keep, float(self.temperature), compute_entropy, entropy_grad)
+            model = functools.partial(model, packloss_head=call)
+        return super()._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, logits_to_keep, batch_size, compute_entropy, compute_aux_loss, **kwargs
+        )
 
     # -----------------------------------------------------------------------------------------------
     # TRL's batch → a packloss bin
