@@ -7,6 +7,7 @@ from packloss.vocab.core import DIVERGENCES, VocabParallel
 from packloss.vocab.distill import divergence, forward_kl, jsd, reverse_kl, soft_cross_entropy
 from packloss.vocab.head import linear_logprobs
 from packloss.vocab.head_distill import linear_distill
+from packloss.vocab.sharded import HeadWeight, head_weight, sharded_linear_logprobs
 from packloss.vocab.support import logprobs_at, support_logprobs
 from packloss.vocab.topk import TopKDistill, linear_topk_divergence, topk_divergence
 
@@ -19,6 +20,9 @@ __all__ = [
     "jsd",
     "soft_cross_entropy",
     "linear_logprobs",
+    "HeadWeight",
+    "head_weight",
+    "sharded_linear_logprobs",
     "support_logprobs",
     "logprobs_at",
     "linear_distill",
