@@ -1,5 +1,5 @@
 """Hugging Face causal LMs (Llama, Qwen2, Mistral, …) through the fused head: :func:`causal_lm_logprobs`
-runs the backbone and :func:`~packloss.vocab.head.linear_logprobs` on ``model.lm_head.weight``;
+runs the backbone and :func:`~packloss.vocab.head.linear_logprobs` on ``model.lm_head``'s weight (sharded or not);
 :func:`patch_causal_lm` makes ``model(input_ids, labels=...)`` do the same (without ``labels`` the
 original forward runs, so ``generate`` works). ``transformers`` is never imported. Conventions
 (labels, ``-100``, temperature, tied embeddings, softcapping): ``docs/distill.md``."""
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from packloss.vocab.core import check_positive_int
-from packloss.vocab.head import linear_logprobs
+from packloss.vocab.sharded import sharded_linear_logprobs
 
 __all__ = ["FusedCausalLMOutput", "causal_lm_logprobs", "next_token_labels", "patch_causal_lm"]
 
@@ -92,9 +92,9 @@ def causal_lm_logprobs(
             shape = tuple(temperature.shape)
             raise ValueError(f"temperature must be a float or [B, S] = {(b, s)}, got {shape}")
         temperature = temperature.reshape(b * s)
-    logprobs, entropy = linear_logprobs(
+    logprobs, entropy = sharded_linear_logprobs(
         hidden.reshape(b * s, h),
-        model.lm_head.weight,
+        model.lm_head,
         labels.reshape(b * s),
         temperature=temperature,
         chunk_size=chunk_size,
