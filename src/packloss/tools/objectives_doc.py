@@ -19,7 +19,7 @@ from packloss.core.sft import SFT
 from packloss.core.trust_regions import TRUST_REGIONS
 from packloss.core.value import ValueLoss
 from packloss.integrations import trl, verl
-from packloss.vocab import TopKDistill, VocabDistill
+from packloss.vocab import MultiTeacherDistill, TopKDistill, VocabDistill
 
 __all__ = ["TESTED_BY", "OBJECTIVES", "tested_by", "objective_test", "render", "main"]
 
@@ -68,7 +68,7 @@ missing here fails the docs test)."""
 
 OBJECTIVES: tuple[type, ...] = (
     *(SFT, Entropy, RatioWeightedKL, ValueLoss, DPO, SimPO, ORPO, KTO),
-    *(VocabDistill, TopKDistill),
+    *(VocabDistill, TopKDistill, MultiTeacherDistill),
 )
 """The objectives besides ``PolicyGradient`` (a public one missing here fails the docs test)."""
 

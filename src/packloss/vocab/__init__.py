@@ -7,6 +7,7 @@ from packloss.vocab.core import DIVERGENCES, VocabParallel
 from packloss.vocab.distill import divergence, forward_kl, jsd, reverse_kl, soft_cross_entropy
 from packloss.vocab.head import linear_logprobs
 from packloss.vocab.head_distill import linear_distill
+from packloss.vocab.multi_teacher import MultiTeacherDistill, TeacherHeads
 from packloss.vocab.sharded import HeadWeight, head_weight, sharded_linear_logprobs
 from packloss.vocab.support import logprobs_at, support_logprobs
 from packloss.vocab.topk import TopKDistill, linear_topk_divergence, topk_divergence
@@ -28,6 +29,8 @@ __all__ = [
     "linear_distill",
     "VocabDistill",
     "TopKDistill",
+    "MultiTeacherDistill",
+    "TeacherHeads",
     "topk_divergence",
     "linear_topk_divergence",
 ]
