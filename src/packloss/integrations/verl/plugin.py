@@ -6,6 +6,7 @@ One function per mapped verl loss mode (``packloss_<mode>``) plus ``packloss_top
 the ``[B, T]`` rows as sequences (whole rows: no host read) and computes the loss with denominators
 that are verl's ``agg_loss`` with ``config.global_batch_info``. Registration is idempotent and never
 makes ``import verl`` fail. The normalisation table, metrics and differences: ``docs/integrations/verl.md``.
+It also installs packloss's fused head as the fused-kernel backend ``impl_backend=packloss`` (:mod:`.head`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from packloss.integrations.common.config import ConfigReader
 from packloss.integrations.common.metrics import RenameTable, component_metrics, peer_metrics
 from packloss.integrations.common.padded import PaddedBatch, check_padded, log_ratio_mean
 from packloss.integrations.verl.config import LOSS_AGG_MODES, LOSS_MODES, clip_range, from_verl
+from packloss.integrations.verl.head import install as install_head
 
 __all__ = ["PREFIX", "REGISTERED", "register", "register_objective", "policy_loss", "packloss_policy_loss",
            "rollout_corr_metrics"]  # fmt: skip
@@ -309,11 +311,16 @@ def register_objective(name: str, build: ObjectiveBuilder, *, overwrite: bool = 
 
 
 def _register_on_import() -> None:
-    """The entry point's work: register, and never let a problem fail ``import verl``."""
+    """The entry point's work: register the losses and install the ``packloss`` fused-kernel backend
+    (:mod:`.head`), and never let a problem fail ``import verl``."""
     try:
         register()
     except Exception as e:  # noqa: BLE001 - a plugin must not break its host's import
         logger.warning("packloss: could not register its policy losses with verl (%s: %s)", type(e).__name__, e)
+    try:
+        install_head()
+    except Exception as e:  # noqa: BLE001 - as above
+        logger.warning("packloss: could not install its fused-kernel backend in verl (%s: %s)", type(e).__name__, e)
 
 
 _register_on_import()
