@@ -40,7 +40,7 @@ from packloss.tools.bench._measure import (
     time_ms,
 )
 
-__all__ = ["Shape", "SHAPES", "VARIANTS", "PARTS", "RTOL", "measure", "run"]
+__all__ = ["Shape", "SHAPES", "VARIANTS", "PARTS", "RTOL", "save_model", "measure", "run"]
 
 VARIANTS = ("trl", "packloss")
 PARTS = ("logprob", "step")
