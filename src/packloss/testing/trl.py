@@ -71,6 +71,8 @@ def bare_grpo_trainer(grpo_trainer: type, cfg: SimpleNamespace) -> Any:
     trainer.epsilon_high = cfg.epsilon_high if cfg.epsilon_high is not None else cfg.epsilon
     trainer.aux_loss_enabled = False
     trainer._entropy_bonus_enabled = cfg.entropy_coef != 0.0 or cfg.use_adaptive_entropy
+    trainer._last_world_entropy = float("inf")  # TRL's adaptive entropy control, before its first step
+    trainer._entropy_window_stats = None
     trainer.current_gradient_accumulation_steps = cfg.gradient_accumulation_steps
     trainer.model = SimpleNamespace(training=True)
     trainer.accelerator = OneProcess()

@@ -176,7 +176,6 @@ def test_trl_defaults_match_grpo_config():
     [
         (dict(top_entropy_quantile=0.2), NotImplementedError, "GRPOConfig.top_entropy_quantile=0.2 is not mapped"),
         (dict(off_policy_mask_threshold=float("nan")), ValueError, "off_policy_mask_threshold must be finite"),
-        (dict(use_adaptive_entropy=True), NotImplementedError, "use_adaptive_entropy"),
         (dict(use_vllm=True, vllm_importance_sampling_clip_max=None), NotImplementedError, "clip_max=None"),
         (dict(delta=1.1, epsilon_high=0.28), NotImplementedError, "GRPOConfig.delta=1.1"),
         (dict(loss_type="vespo", use_vllm=True, vllm_importance_sampling_mode="token_mask",

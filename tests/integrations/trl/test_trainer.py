@@ -166,6 +166,10 @@ def _e2e_cases():
                                    num_iterations=2),
             "dapo-kl_k3": dict(loss_type="dapo", beta=0.04, use_bias_correction_kl=False, num_iterations=2),
             "grpo-entropy_bonus": dict(loss_type="grpo", entropy_coef=0.01, num_iterations=2),
+            # TRL's controller: no bonus before the first step's entropy is known, then (entropy below the
+            # target) the coefficient raised by the delta and applied
+            "grpo-adaptive_entropy": dict(loss_type="grpo", use_adaptive_entropy=True, entropy_coef=0.01,
+                                          entropy_target=10.0, entropy_coef_delta=0.02, num_iterations=2),
             "grpo-masked_truncated": dict(loss_type="grpo", mask_truncated_completions=True, num_iterations=2),
         }
     )  # fmt: skip
@@ -309,3 +313,14 @@ def test_docs_snippet_runs():
     assert isinstance(trainer, PacklossGRPOTrainer) and trainer.state.global_step == 2
     logged = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert logged and all("packloss/pg/loss" in entry for entry in logged)
+
+
+def test_adaptive_entropy_moves_and_applies_the_coefficient(tiny):
+    """The adaptive case above is not vacuous: TRL's controller raised the coefficient after each step
+    (the entropy stays below the target), so the second step applied a non-zero bonus, and packloss's
+    run logged the same coefficients."""
+    options = E2E["grpo-adaptive_entropy"]
+    trl_run, ours_run = train(tiny, GRPOTrainer, options), train(tiny, PacklossGRPOTrainer, options)
+    assert [log["entropy_coef"] for log in trl_run[1]] == pytest.approx([0.03, 0.05])
+    assert [log["entropy_coef"] for log in ours_run[1]] == pytest.approx([0.03, 0.05])
+    assert ours_run[0].packloss_recipe.components["entropy"].loss.coef.item() == pytest.approx(0.03)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from packloss.core import checks
 from packloss.core.bin import Component, Normalize
 from packloss.core.corrections import OffPolicyMask, RolloutCorrection
@@ -89,8 +91,6 @@ def _check_unmapped(c: ConfigReader) -> None:
     if q < 1.0:
         why = "TRL keeps the tokens above a quantile of the entropy gathered over every rank's micro-batch"
         raise _unmapped("top_entropy_quantile", q, why)
-    if c.flag("use_adaptive_entropy"):
-        raise _unmapped("use_adaptive_entropy", True, "the entropy coefficient changes with the measured entropy")
 
 
 def _correction(c: ConfigReader) -> RolloutCorrection | None:
@@ -178,7 +178,9 @@ def from_trl(grpo_config: object, *, num_processes: int | None = None) -> Recipe
 
     Returns a recipe with the component ``"pg"`` (the policy gradient, its vLLM correction and, without
     ``use_bias_correction_kl``, the β·k3 penalty), ``"kl"`` (β·ρ·k3, with ``use_bias_correction_kl``)
-    and ``"entropy"`` (``entropy_coef != 0``). Raises ``NotImplementedError`` naming an option packloss
+    and ``"entropy"`` (``entropy_coef != 0``, or ``use_adaptive_entropy``: its ``coef`` is a 0-d tensor that
+    :class:`~packloss.integrations.trl.PacklossGRPOTrainer` sets as TRL's controller does). Raises
+    ``NotImplementedError`` naming an option packloss
     cannot express, ``ValueError``/``TypeError`` naming a bad one.
     """
     if grpo_config is None:
@@ -207,6 +209,11 @@ def from_trl(grpo_config: object, *, num_processes: int | None = None) -> Recipe
     if bias_corrected:
         components["kl"] = Component(RatioWeightedKL(beta, level), normalize=mode, constant=constant)
     entropy_coef = c.number("entropy_coef")
-    if entropy_coef != 0:
+    if c.flag("use_adaptive_entropy"):
+        # a 0-d tensor the trainer sets before every call: TRL's controller moves the coefficient between
+        # optimizer steps and applies it only while the entropy is at or below entropy_target
+        coef = torch.tensor(entropy_coef, dtype=torch.float64)
+        components["entropy"] = Component(Entropy(coef), normalize=Normalize.TOKEN)
+    elif entropy_coef != 0:
         components["entropy"] = Component(Entropy(entropy_coef), normalize=Normalize.TOKEN)
     return Recipe(components, notes=NOTES[loss_type])

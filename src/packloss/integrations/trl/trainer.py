@@ -251,7 +251,11 @@ class PacklossGRPOTrainer(GRPOTrainer):
         )
         plan, batch = self._packloss_plan(inputs, mode)
         outputs = batch.outputs(logprobs=per_token_logps, entropy=entropies)
+        if self.use_adaptive_entropy:
+            self._apply_entropy_coef()
         result = compute_loss(plan, outputs, self._denominators(plan, inputs, mode), per_sequence_metrics=True)
+        if self.use_adaptive_entropy and mode == "train":
+            self._update_entropy_coef(plan, outputs)
         # packloss: this rank's share of the step's loss, summed over ranks; accelerate's DDP averages
         loss = result.loss * self.accelerator.num_processes
         if self.aux_loss_enabled:  # the MoE load-balancing loss, as TRL adds it
@@ -259,6 +263,36 @@ class PacklossGRPOTrainer(GRPOTrainer):
             self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())  # noqa: E501  # sync-ok: TRL logging
         self._log_packloss_metrics(result, plan, outputs, mode)
         return loss
+
+    def _apply_entropy_coef(self) -> None:
+        """TRL's adaptive entropy control, the coefficient applied in this call: TRL's current
+        ``entropy_coef`` while the last optimizer step's entropy was at or below ``entropy_target``, else 0
+        (host floats, written into the recipe's 0-d coefficient)."""
+        coef = self.packloss_recipe.components["entropy"].loss.coef
+        on = self._last_world_entropy <= self.args.entropy_target
+        coef.fill_(self.entropy_coef if on else 0.0)
+
+    def _update_entropy_coef(self, plan: Plan, outputs: Outputs) -> None:
+        """TRL's controller update: the entropy sum and member count of every micro-batch of the optimizer
+        step, reduced over the ranks at its last micro-batch, move ``entropy_coef`` by
+        ``entropy_coef_delta`` towards more entropy bonus when the step's entropy is at or below the
+        target (less otherwise), within ``[entropy_coef_min, entropy_coef_max]``."""
+        members = plan.members["entropy"]
+        entropy = torch.where(members, outputs.entropy.detach(), 0.0)
+        stats = torch.stack([entropy.sum(dtype=torch.float64), members.sum(dtype=torch.float64)])
+        window = self._entropy_window_stats
+        self._entropy_window_stats = stats if window is None else window + stats.to(window.device)
+        if not self.accelerator.sync_gradients:
+            return
+        total = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world_entropy = (total[0] / total[1].clamp(min=1.0)).item()  # sync-ok: TRL's controller, once a step
+        a = self.args
+        if world_entropy <= a.entropy_target:
+            self.entropy_coef = min(self.entropy_coef + a.entropy_coef_delta, a.entropy_coef_max)
+        else:
+            self.entropy_coef = max(self.entropy_coef - a.entropy_coef_delta, a.entropy_coef_min)
+        self._last_world_entropy = world_entropy
+        self._entropy_window_stats = None
 
     # -----------------------------------------------------------------------------------------------
     # Metrics
