@@ -141,8 +141,8 @@ _DOTTED = re.compile(r"\bpackloss(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
 _PATHS = re.compile(r"(?<![\w/.-])((?:src|tests|docs|scripts)/[\w./-]+\.(?:py|md|sh|png))")
 
 
-EXTERNAL = {"tests/unit/train/rl/test_loss.py"}
-"""Paths the docs cite in other repositories (prime-rl's loss tests)."""
+EXTERNAL = {"tests/unit/train/rl/test_loss.py", "tests/utils/test_linear_cross_entropy.py"}
+"""Paths the docs cite in other repositories (prime-rl's loss tests, verl's fused-kernel test)."""
 
 
 def _docs() -> list[Path]:

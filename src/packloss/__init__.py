@@ -22,6 +22,7 @@ from packloss.core.outputs import Outputs
 from packloss.core.pg import DPPO, IPO, REF_KL, PolicyGradient
 from packloss.core.preference import DPO, ORPO, SimPO
 from packloss.core.recipe import POLICY, PRESETS, Recipe, preset
+from packloss.core.sampler import DistributionalIPO, ScoreCentering
 from packloss.core.sft import SFT
 from packloss.core.step import StepDenominators, count_denominators
 from packloss.core.trust_regions import TRUST_REGIONS, PolicyTerms, Surrogate, TrustRegion, register_trust_region
@@ -76,6 +77,8 @@ __all__ = [
     "group_advantages",
     "gae_advantages",
     "ValueLoss",
+    "DistributionalIPO",
+    "ScoreCentering",
     "DPO",
     "SimPO",
     "ORPO",

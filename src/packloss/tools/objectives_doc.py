@@ -15,6 +15,7 @@ from packloss.core.kl import RatioWeightedKL
 from packloss.core.kto import KTO
 from packloss.core.preference import DPO, ORPO, SimPO
 from packloss.core.recipe import PRESETS
+from packloss.core.sampler import DistributionalIPO, ScoreCentering
 from packloss.core.sft import SFT
 from packloss.core.trust_regions import TRUST_REGIONS
 from packloss.core.value import ValueLoss
@@ -67,7 +68,7 @@ missing here fails the docs test)."""
 
 
 OBJECTIVES: tuple[type, ...] = (
-    *(SFT, Entropy, RatioWeightedKL, ValueLoss, DPO, SimPO, ORPO, KTO),
+    *(SFT, Entropy, RatioWeightedKL, ValueLoss, DPO, SimPO, ORPO, KTO, DistributionalIPO, ScoreCentering),
     *(VocabDistill, TopKDistill, MultiTeacherDistill),
 )
 """The objectives besides ``PolicyGradient`` (a public one missing here fails the docs test)."""
