@@ -8,6 +8,7 @@ copied to the device (a host→device copy, never a device→host sync).
 from __future__ import annotations
 
 import array
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,7 +43,10 @@ def check_seq_lens(seq_lens: Sequence[int], num_tokens: int | None = None, name:
 
 def _host_ints(values: Sequence[int], dtype: torch.dtype) -> Tensor:
     """Non-empty host ints as a CPU ``[len(values)]`` tensor, through one C-level buffer copy
-    (``torch.tensor`` converts each Python int on its own: 44 vs 7 µs for 256 ints)."""
+    (``torch.tensor`` converts each Python int on its own: 44 vs 7 µs for 256 ints); under
+    ``torch.compile`` through ``torch.tensor``, which it traces (``array`` would break the graph)."""
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=dtype)
     return torch.frombuffer(array.array(_TYPECODES[dtype], values), dtype=dtype)
 
 
@@ -117,7 +121,8 @@ class PaddedLayout:
 
     Row ``b`` becomes sequence ``b`` with its attended tokens in order (left, right or any padding).
     :meth:`pack` turns any ``[B, T, ...]`` tensor into ``[N, ...]`` (autograd flows through),
-    :meth:`unpack` the other way.
+    :meth:`unpack` the other way. :meth:`whole_rows` is the layout of every position (``N = B·T``),
+    whose :meth:`pack` is a reshape.
     """
 
     seq_lens: tuple[int, ...]
@@ -140,10 +145,16 @@ class PaddedLayout:
         lens = check_seq_lens(seq_lens)
         if len(lens) != b:
             raise ValueError(f"seq_lens holds {len(lens)} lengths for B={b} rows of attention_mask")
-        # A stable sort puts the attended positions first, in row-major order, without boolean indexing.
-        key = (~attended).reshape(-1).to(torch.long) * (b * t) + torch.arange(b * t, device=attended.device)
-        index = torch.argsort(key, stable=True)[: sum(lens)]  # [N]
-        return cls(lens, index, (b, t))
+        return cls(lens, _attended_first(attended.reshape(-1))[: sum(lens)], (b, t))
+
+    @classmethod
+    def whole_rows(cls, batch_shape: tuple[int, int], device: torch.device | str = "cpu") -> PaddedLayout:
+        """The layout of every position of a ``[B, T]`` batch: row ``b`` is sequence ``b`` of length
+        ``T``; nothing is read, and :meth:`pack` is a reshape (a view of a contiguous input)."""
+        b, t = batch_shape
+        if not (isinstance(b, int) and isinstance(t, int) and b > 0 and t > 0):
+            raise ValueError(f"batch_shape must be two positive ints (B, T), got {batch_shape!r}")
+        return _WholeRows((t,) * b, (b, t), torch.device(device))
 
     def validate(self, attention_mask: Tensor) -> PaddedLayout:
         """Check (one sync) that the given ``seq_lens`` are the mask's row lengths."""
@@ -152,13 +163,17 @@ class PaddedLayout:
             raise ValueError(f"seq_lens {list(self.seq_lens)} disagree with attention_mask's row lengths {rows}")
         return self
 
-    def pack(self, x: Tensor, name: str = "stream") -> Tensor:
-        """``[B, T, ...]`` → ``[N, ...]`` (the attended positions, row by row)."""
+    def _check_batch(self, x: Tensor, name: str) -> None:
         b, t = self.batch_shape
         if not isinstance(x, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
         if tuple(x.shape[:2]) != (b, t):
             raise ValueError(f"{name} must have shape [B, T, ...] = ({b}, {t}, ...), got {tuple(x.shape)}")
+
+    def pack(self, x: Tensor, name: str = "stream") -> Tensor:
+        """``[B, T, ...]`` → ``[N, ...]`` (the attended positions, row by row)."""
+        self._check_batch(x, name)
+        b, t = self.batch_shape
         return x.reshape(b * t, *x.shape[2:]).index_select(0, self.index.to(x.device))
 
     def unpack(self, x: Tensor, pad_value: float = 0.0) -> Tensor:
@@ -169,3 +184,34 @@ class PaddedLayout:
         b, t = self.batch_shape
         out = torch.full((b * t, *x.shape[1:]), pad_value, dtype=x.dtype, device=x.device)
         return out.index_put((self.index.to(x.device),), x).view(b, t, *x.shape[1:])
+
+
+class _WholeRows(PaddedLayout):
+    """:meth:`PaddedLayout.whole_rows`: ``index`` is every position in order (built only when read),
+    so :meth:`pack` reshapes instead of gathering, forward and backward."""
+
+    def __init__(self, seq_lens: tuple[int, ...], batch_shape: tuple[int, int], device: torch.device) -> None:
+        object.__setattr__(self, "seq_lens", seq_lens)
+        object.__setattr__(self, "batch_shape", batch_shape)
+        object.__setattr__(self, "_device", device)
+
+    @functools.cached_property
+    def index(self) -> Tensor:  # type: ignore[override]  # [B·T] long
+        b, t = self.batch_shape
+        return torch.arange(b * t, device=self._device)
+
+    def pack(self, x: Tensor, name: str = "stream") -> Tensor:
+        self._check_batch(x, name)
+        b, t = self.batch_shape
+        return x.reshape(b * t, *x.shape[2:])
+
+
+def _attended_first(attended: Tensor) -> Tensor:
+    """The permutation of ``[M]`` positions that puts the ``attended`` ones (``[M]`` bool) first and
+    keeps each group in order: the stable ``argsort`` of ``¬attended``, built in linear time. An
+    attended position goes to its rank among the attended, any other to the attended count plus its
+    rank among the others; scattering the positions there inverts that map.  ``[M]`` long."""
+    position = torch.arange(attended.numel(), device=attended.device)  # [M]
+    before = attended.cumsum(0)  # [M]: attended positions up to and including each one
+    destination = torch.where(attended, before - 1, before[-1] + position - before)  # a permutation of [M]
+    return torch.empty_like(position).scatter_(0, destination, position)

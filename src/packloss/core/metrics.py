@@ -18,6 +18,35 @@ __all__ = ["masked_mean", "metric_means", "merge_metrics", "all_reduce_metrics"]
 
 Metrics = tuple[dict[str, Tensor], dict[str, Tensor]]
 
+_EXACT_COUNT = 1 << 24  # float32 holds every integer below it: a float32 sum of fewer 0/1 values is exact
+
+
+def _eager_cpu(flags: Tensor) -> bool:
+    """Whether ``flags`` are read by eager CPU kernels, whose bool reductions and conversions are scalar
+    code and their byte ones vectorised (Inductor's code is the other way round)."""
+    return flags.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _count(flags: Tensor) -> Tensor:
+    """``flags.sum(dtype=float32)`` of bools, 0-d; eager on CPU below 2^24 flags, the same 0/1 values
+    summed as bytes (~8× faster). The value is the same: every partial sum is an integer float32 holds."""
+    if _eager_cpu(flags) and flags.numel() < _EXACT_COUNT:
+        return flags.view(torch.uint8).sum(dtype=torch.float32)
+    return flags.sum(dtype=torch.float32)
+
+
+def _flags(flags: Tensor) -> Tensor:
+    """``flags.to(float32)`` of bools (eager on CPU through their bytes: the same 0/1 values).  ``[N]``."""
+    return (flags.view(torch.uint8) if _eager_cpu(flags) else flags).to(torch.float32)
+
+
+def _members_only(values: Tensor, mask: Tensor) -> Tensor:
+    """``values`` (detached, compute dtype; bools as 0/1 float32) with exact zeros off ``mask``,
+    whatever they held.  ``[N]``."""
+    if values.dtype == torch.bool:
+        return _flags(values & mask)
+    return upcast(values.detach()).masked_fill(~mask, 0.0)
+
 
 def masked_mean(
     values: Tensor,
@@ -28,31 +57,73 @@ def masked_mean(
 ) -> tuple[Tensor, Tensor]:
     """Sync-free mean of ``values [N]`` over ``mask [N]`` and its member count: scalars (this rank's
     tokens), or ``([S], [S])`` per sequence of ``segments`` (over the whole bin). Values off ``mask``
-    never enter (inf/NaN safe); bools count as 0/1. ``count`` (scalar mode) is ``mask.sum()`` when the
-    caller already has it."""
+    never enter (inf/NaN safe); bools count as 0/1. ``count`` is the member count (``mask.sum()``,
+    or ``segments.count(mask)`` per sequence) when the caller already has it."""
     if per_sequence:
         if segments is None:
             raise ValueError("per_sequence=True needs segments")
-        return segments.mean(upcast(values.detach()), mask)
+        if segments.sharded:  # one all_reduce carries the sum and the count
+            return segments.mean(upcast(values.detach()), mask)
+        # segments.mean's sums, divisor and dtypes, without re-counting a known count
+        if count is None:
+            count = segments.sum(_flags(mask))
+        return segments.sum(_members_only(values, mask)) / count.clamp_min(1), count
     if count is None:
-        count = mask.sum(dtype=torch.float32)
+        count = _count(mask)
     if values.dtype == torch.bool:  # a fraction: count the members where it holds, no float copy
-        total = (values & mask).sum(dtype=torch.float32)
+        total = _count(values & mask)
     else:
-        total = torch.where(mask, upcast(values.detach()), 0.0).sum()
+        total = _members_only(values, mask).sum()
     return total / count.clamp_min(1), count
 
 
 def metric_means(named: Mapping[str, tuple[Tensor, Tensor]], segments: Segments, per_sequence: bool = False) -> Metrics:
     """``(metrics, counts)``: metric ``name`` is the mean of ``values`` over ``mask`` for
-    ``{name: (values [N], mask [N])}``; metrics over the same mask share one count."""
+    ``{name: (values [N], mask [N])}``; metrics over the same mask share one count (per sequence too,
+    unless the bin is sharded: there one ``all_reduce`` carries each metric's sum and count)."""
     metrics, counts = {}, {}
     seen: list[tuple[Tensor, Tensor]] = []  # (mask, count)
+    share = not (per_sequence and segments.sharded)
+    if not per_sequence:
+        for mask, (keys, fractions) in _fraction_groups(named).items():
+            count = _fraction_means(keys, fractions, mask, metrics)
+            counts.update(dict.fromkeys(keys, count))
+            seen.append((mask, count))
     for key, (values, mask) in named.items():
-        count = None if per_sequence else next((c for m, c in seen if m is mask), None)
+        if key in metrics:
+            continue
+        count = next((c for m, c in seen if m is mask), None) if share else None
         metrics[key], counts[key] = masked_mean(values, mask, segments, per_sequence, count)
         seen.append((mask, counts[key]))
-    return metrics, counts
+    return {key: metrics[key] for key in named}, {key: counts[key] for key in named}
+
+
+def _fraction_groups(named: Mapping[str, tuple[Tensor, Tensor]]) -> dict[Tensor, tuple[list[str], list[Tensor]]]:
+    """The bool metrics that eager CPU kernels count together: ``{mask: (keys, values)}`` for each mask
+    (by identity) that two or more of them share."""
+    groups: dict[int, tuple[Tensor, list[str], list[Tensor]]] = {}
+    for key, (values, mask) in named.items():
+        if values.dtype == torch.bool and _eager_cpu(values) and values.shape == mask.shape and mask.dim() == 1:
+            _, keys, fractions = groups.setdefault(id(mask), (mask, [], []))
+            keys.append(key)
+            fractions.append(values)
+    return {mask: (keys, fractions) for mask, keys, fractions in groups.values() if len(keys) > 1}
+
+
+def _fraction_means(keys: list[str], fractions: list[Tensor], mask: Tensor, metrics: dict[str, Tensor]) -> Tensor:
+    """Each ``fractions[k]`` ``[N]`` bool counted over ``mask`` ``[N]`` and divided by the members' count,
+    into ``metrics[keys[k]]``, as :func:`masked_mean` computes them (integer counts, exact in any order)
+    from one ``[K + 1, N]`` byte sum; returns the count."""
+    if mask.numel() >= _EXACT_COUNT:
+        total = _count(mask)
+        for key, values in zip(keys, fractions, strict=True):
+            metrics[key] = _count(values & mask) / total.clamp_min(1)
+        return total
+    flags = torch.stack([*fractions, mask]) & mask  # [K + 1, N]
+    sums = flags.view(torch.uint8).sum(dim=1, dtype=torch.float32)  # [K + 1]
+    count = sums[-1]
+    metrics.update(zip(keys, (sums[:-1] / count.clamp_min(1)).unbind(0), strict=True))
+    return count
 
 
 def merge_metrics(parts: Iterable[object]) -> Metrics:

@@ -45,7 +45,8 @@ class PaddedBatch:
     @classmethod
     def of(cls, members: Tensor, packing: Packing = "rows", positions: Tensor | None = None) -> PaddedBatch:
         """The bin of ``members`` (``[B, T]`` bool). ``packing="rows"``: every position (``N = B·T``;
-        the layout follows from the shape, nothing is read on the host). ``"members"``: each row's
+        the layout follows from the shape, nothing is read on the host, and packing a contiguous
+        ``[B, T, ...]`` tensor is a view of it). ``"members"``: each row's
         ``positions`` (``[B, T]`` bool, default the members), and the first position of a row without
         any (so it stays a sequence, as a non-member); reading the row lengths is one device→host read."""
         checks.choice("packing", packing, PACKINGS)
@@ -54,7 +55,7 @@ class PaddedBatch:
             raise ValueError(f"members must be a non-empty [B, T] tensor, got {list(members.shape)}")
         b, t = members.shape
         if packing == "rows":
-            layout = PaddedLayout((t,) * b, torch.arange(b * t, device=members.device), (b, t))
+            layout = PaddedLayout.whole_rows((b, t), members.device)
         else:
             kept = members if positions is None else checks.tensor("positions", positions, shape=(b, t)).bool()
             first = torch.arange(t, device=members.device) == 0  # [T]
@@ -84,7 +85,8 @@ class PaddedBatch:
         return Outputs(**{k: self.pack(v, k) for k, v in outputs.items()})
 
 
-def log_ratio_mean(m: Tensor, numerator: Tensor, denominator: Tensor) -> Tensor:
+def log_ratio_mean(m: Tensor, numerator: Tensor, denominator: Tensor, count: Tensor | None = None) -> Tensor:
     """The mean of ``numerator − denominator`` over the members ``m`` (detached, at least float32;
-    verl's and OpenRLHF's ``ppo_kl``).  ``[N]`` → 0-d."""
-    return masked_mean(upcast(numerator.detach()) - upcast(denominator.detach()), m)[0]
+    verl's and OpenRLHF's ``ppo_kl``); ``count`` is ``m.sum()`` (float32) when the caller has it.
+    ``[N]`` → 0-d."""
+    return masked_mean(upcast(numerator.detach()) - upcast(denominator.detach()), m, count=count)[0]

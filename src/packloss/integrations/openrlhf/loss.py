@@ -150,7 +150,7 @@ def _members(action_mask: Tensor | None, like: Tensor) -> Tensor:
             f"{_OWNER}.forward action_mask of dtype {action_mask.dtype}: OpenRLHF would weight tokens by a "
             "floating-point mask (and add 1e-8 to its row counts), which is not mapped; pass action_mask.bool()"
         )
-    return action_mask != 0
+    return action_mask.bool()  # != 0, as one conversion (no copy of a bool mask)
 
 
 class PolicyLoss(nn.Module):
@@ -241,12 +241,13 @@ class PolicyLoss(nn.Module):
         outputs = batch.outputs(logprobs=log_probs)
         result = compute_loss(plan, outputs)
         m, trn, old = batch.members, outputs.logprobs, plan.old_logprobs
-        ppo_kl = log_ratio_mean(m, old, trn)
+        count = result.counts[f"{POLICY}/loss"]  # the members' count, which the means below share
+        ppo_kl = log_ratio_mean(m, old, trn, count)
         clip_ratio = result.metrics[f"{POLICY}/clip_ratio"]
         vllm_kl = is_filter_ratio = None
         correction = self.objective.correction
         if correction is not None:
-            vllm_kl = log_ratio_mean(m, plan.rollout_logprobs, old)
+            vllm_kl = log_ratio_mean(m, plan.rollout_logprobs, old, count)
             is_filter_ratio = _filter_ratio(
                 correction, result.metrics, upcast(old), upcast(plan.rollout_logprobs), plan
             )
