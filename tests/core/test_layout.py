@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from packloss import Layout, PaddedLayout
 from packloss.testing import OpCounter
@@ -68,3 +70,32 @@ def test_unpack_of_the_wrong_length_names_the_layout_size():
     layout = PaddedLayout.from_attention_mask(torch.tensor([[1, 1, 0], [1, 0, 0]]).bool())
     with pytest.raises(ValueError, match=r"x must be \[N, \.\.\.\] with N=3"):
         layout.unpack(torch.zeros(7))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 9), st.integers(1, 9), st.integers(0, 2**31 - 1))
+def test_padded_layout_index_is_the_stable_sort_of_the_unattended(b, t, seed):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(b, t, generator=g) < torch.rand(1, generator=g)
+    mask[:, 0] = True
+    flat = mask.reshape(-1)
+    expected = torch.argsort((~flat).long(), stable=True)[: int(flat.sum())]  # independent reference
+    assert torch.equal(PaddedLayout.from_attention_mask(mask).index, expected)
+
+
+def test_whole_rows_packs_every_position_as_a_view_without_a_sync():
+    x = torch.randn(3, 4, 2, requires_grad=True)
+    with OpCounter() as ops:
+        layout = PaddedLayout.whole_rows((3, 4))
+        packed = layout.pack(x, "x")
+    assert ops.num_syncs == 0 and "aten.index_select" not in ops.ops
+    assert packed._base is x and layout.seq_lens == (4, 4, 4)
+    full = PaddedLayout.from_attention_mask(torch.ones(3, 4, dtype=torch.bool))
+    assert torch.equal(layout.index, full.index) and torch.equal(packed, full.pack(x))
+    assert torch.equal(layout.unpack(packed.detach()), x.detach())
+    packed.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+    with pytest.raises(ValueError, match=r"x must have shape \[B, T, \.\.\.\] = \(3, 4"):
+        layout.pack(torch.zeros(4, 3), "x")
+    with pytest.raises(ValueError, match="batch_shape must be two positive ints"):
+        PaddedLayout.whole_rows((0, 4))

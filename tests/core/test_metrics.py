@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from packloss import all_reduce_metrics, merge_metrics
+from packloss.core.layout import Layout
+from packloss.core.metrics import metric_means
 from packloss.testing import run_gloo
 
 
@@ -101,3 +103,30 @@ def test_a_rank_whose_metrics_fail_their_checks_makes_every_rank_raise(what, say
 def test_per_sequence_metrics_are_refused():
     with pytest.raises(ValueError, match="per-sequence"):
         all_reduce_metrics({"a": torch.ones(3)}, {"a": torch.ones(3)})
+
+
+@pytest.mark.parametrize("per_sequence", [False, True])
+def test_metric_means_equal_plain_masked_means_bit_for_bit(per_sequence):
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 1, 9, 3, 7]
+    n = sum(lens)
+    layout = Layout.build(lens)
+    m = torch.rand(n, generator=g) > 0.3
+    keep = m & (torch.rand(n, generator=g) > 0.5)
+    x = torch.randn(n, generator=g)
+    x[~m] = float("nan")  # non-members never enter
+    named = {"f": (x, keep), "a": (torch.rand(n, generator=g) > 0.5, m), "b": (torch.rand(n, generator=g) > 0.2, m),
+             "c": (x, m), "d": (torch.rand(n, generator=g) > 0.9, m)}
+    metrics, counts = metric_means(named, layout.segments, per_sequence)
+    assert list(metrics) == list(named) == list(counts)
+    for key, (values, mask) in named.items():  # the reference: a where and a sum (per sequence: a loop)
+        v = torch.where(mask, values.double(), 0.0)
+        if per_sequence:
+            parts = torch.split(v, lens), torch.split(mask.double(), lens)
+            total, count = torch.stack([p.sum() for p in parts[0]]), torch.stack([p.sum() for p in parts[1]])
+        else:
+            total, count = v.sum(), mask.double().sum()
+        assert torch.equal(counts[key], count.float())
+        assert torch.allclose(metrics[key].double(), total / count.clamp_min(1), rtol=1e-6, atol=0)
+        if values.dtype == torch.bool:  # integer counts: exact
+            assert torch.equal(metrics[key], (total.float() / count.float().clamp_min(1)))
