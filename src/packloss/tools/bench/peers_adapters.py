@@ -11,18 +11,14 @@ gradient and the peer's metrics are checked against the peer's, in float64 then 
 from __future__ import annotations
 
 import functools
-import importlib.metadata
-import importlib.util
-import sys
-import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from packloss.testing.openrlhf import load_openrlhf_loss
 from packloss.testing.trl import bare_grpo_trainer, padded_inputs, stub_forward
 from packloss.tools.bench._measure import ValuesDisagree, check, import_peer
 from packloss.tools.bench.loss import _interleaved_ms
@@ -36,7 +32,7 @@ from packloss.tools.bench.peers_rl import (
     rl_batch,
 )
 
-__all__ = ["COMPARISONS", "METRIC_RTOL_F64", "load_openrlhf_loss", "run_adapters"]
+__all__ = ["COMPARISONS", "METRIC_RTOL_F64", "run_adapters"]
 
 COMPARISONS = ("adapter/trl_trainer", "adapter/verl_plugin", "adapter/openrlhf_policy_loss")
 _CLIP_LOW, _CLIP_HIGH = 0.2, 0.28  # every case's PPO clip (DAPO's clip-higher)
@@ -44,34 +40,6 @@ METRIC_RTOL_F64 = 1e-6  # the peers take their fractions in float32 even on floa
 
 _Loss = tuple[Tensor, dict[str, Any]]  # (loss, the metrics the peer returns or logs)
 _Call = Callable[[Tensor], _Loss]  # padded log-probs [B, T] → (loss, metrics)
-
-
-def load_openrlhf_loss() -> types.ModuleType | None:
-    """``openrlhf/models/loss.py`` of the installed OpenRLHF, loaded by file path without running
-    ``openrlhf.models``'s ``__init__`` (it imports DeepSpeed, flash-attn and peft); its one other import,
-    ``models/utils.py``, imports ``deepspeed`` at the top only, answered by an empty stand-in module
-    while the file loads when DeepSpeed is not installed. None when OpenRLHF is not installed."""
-    try:
-        importlib.metadata.version("openrlhf")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-    spec = importlib.util.find_spec("openrlhf")
-    models = Path(next(iter(spec.submodule_search_locations))) / "models"
-    package = types.ModuleType("_packloss_bench_openrlhf_models")
-    package.__path__ = [str(models)]
-    sys.modules[package.__name__] = package
-    stand_in = None
-    if "deepspeed" not in sys.modules and importlib.util.find_spec("deepspeed") is None:
-        stand_in = sys.modules["deepspeed"] = types.ModuleType("deepspeed")
-    try:
-        loss_spec = importlib.util.spec_from_file_location(f"{package.__name__}.loss", models / "loss.py")
-        module = importlib.util.module_from_spec(loss_spec)
-        sys.modules[loss_spec.name] = module
-        loss_spec.loader.exec_module(module)
-    finally:
-        if stand_in is not None and sys.modules.get("deepspeed") is stand_in:
-            del sys.modules["deepspeed"]
-    return module
 
 
 @dataclass(frozen=True)
