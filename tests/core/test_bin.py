@@ -79,7 +79,7 @@ BAD = [
     (dict(teacher_logits=torch.zeros(6, 5)), ValueError, r"teacher_logits must have shape \[N, V\]"),
     (dict(teacher_hidden=torch.zeros(N, 4)), ValueError, "teacher_hidden and teacher_weight go together"),
     (dict(teacher_hidden=torch.zeros(N, 4), teacher_weight=torch.zeros(9, 3)), ValueError, "teacher_weight must"),
-    (dict(group_ids=[0]), ValueError, "group_ids holds 1 ids for S=2"),
+    (dict(group_ids=[0]), ValueError, "group_ids holds 1 values for S=2"),
     (dict(group_ids=[0, -1]), ValueError, "group_ids must be >= 0"),
     (dict(group_ids=[0, 1.0]), TypeError, "group_ids must hold Python ints"),
     (dict(group_ids=torch.tensor([0, 1])), TypeError, "group_ids must be host-side"),
@@ -164,7 +164,7 @@ def test_chosen_flags_are_host_bools_one_per_sequence():
     assert Plan([2, 3], comps, chosen=[True, False]).chosen == (True, False)
     with pytest.raises(TypeError, match="chosen must be host-side Python bools"):
         Plan([2, 3], comps, chosen=torch.tensor([True, False]))
-    with pytest.raises(ValueError, match="chosen holds 1 values for 2 sequences"):
+    with pytest.raises(ValueError, match="chosen holds 1 values for S=2 sequences"):
         Plan([2, 3], comps, chosen=[True])
     with pytest.raises(TypeError, match="chosen must be a bool"):
         Plan([2, 3], comps, chosen=[1, 0])

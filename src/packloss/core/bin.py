@@ -144,13 +144,7 @@ class Component:
 
 def check_group_ids(group_ids: object, num_seqs: int) -> tuple[int, ...]:
     """``group_ids`` as a tuple of ``S`` non-negative host ints."""
-    if isinstance(group_ids, Tensor):
-        raise TypeError("group_ids must be host-side Python ints (a list or tuple), not a tensor")
-    if isinstance(group_ids, str | bytes) or not isinstance(group_ids, Sequence):
-        raise TypeError(f"group_ids must be a list or tuple of ints, got {type(group_ids).__name__}")
-    ids = tuple(group_ids)
-    if len(ids) != num_seqs:
-        raise ValueError(f"group_ids holds {len(ids)} ids for S={num_seqs} sequences")
+    ids = checks.host_sequence("group_ids", group_ids, num_seqs, "ints")
     for g in ids:
         if isinstance(g, bool) or not isinstance(g, int):
             raise TypeError(f"group_ids must hold Python ints, got {type(g).__name__}")

@@ -9,7 +9,7 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import Tensor
 
-__all__ = ["number", "positive", "nonnegative", "integer", "choice", "flag", "host_flags", "tensor"]
+__all__ = ["number", "positive", "nonnegative", "integer", "choice", "flag", "host_sequence", "host_flags", "tensor"]
 
 
 def number(name: str, value: object, *, finite: bool = True) -> float:
@@ -62,18 +62,22 @@ def flag(name: str, value: object) -> bool:
     return value
 
 
-def host_flags(name: str, value: object, length: int) -> tuple[bool, ...]:
-    """``value`` as a tuple of ``length`` host bools (a list or tuple, never a tensor: no sync)."""
+def host_sequence(name: str, value: object, length: int, kind: str = "values") -> tuple:
+    """``value`` as a tuple of ``length`` host values, one per sequence (a list or tuple, never a tensor:
+    reading one would be a sync); ``kind`` names the elements in the errors ("ints", "bools")."""
     if isinstance(value, Tensor):
-        raise TypeError(f"{name} must be host-side Python bools (a list or tuple), not a tensor")
+        raise TypeError(f"{name} must be host-side Python {kind} (a list or tuple), not a tensor")
     if isinstance(value, str | bytes) or not isinstance(value, Sequence):
-        raise TypeError(f"{name} must be a list or tuple of bools, got {type(value).__name__}")
-    flags = tuple(value)
-    if len(flags) != length:
-        raise ValueError(f"{name} holds {len(flags)} values for {length} sequences")
-    for f in flags:
-        flag(name, f)
-    return flags
+        raise TypeError(f"{name} must be a list or tuple of {kind}, got {type(value).__name__}")
+    items = tuple(value)
+    if len(items) != length:
+        raise ValueError(f"{name} holds {len(items)} values for S={length} sequences")
+    return items
+
+
+def host_flags(name: str, value: object, length: int) -> tuple[bool, ...]:
+    """``value`` as a tuple of ``length`` host bools (:func:`host_sequence`)."""
+    return tuple(flag(name, f) for f in host_sequence(name, value, length, "bools"))
 
 
 def tensor(

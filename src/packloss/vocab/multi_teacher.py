@@ -126,9 +126,7 @@ class TeacherHeads:
     def _host_index(index: object, num_seqs: int, num_teachers: int) -> tuple[int, ...]:
         if isinstance(index, str | bytes) or not isinstance(index, Sequence):
             raise TypeError(f"index must be host ints [S] or an [N] integer tensor, got {type(index).__name__}")
-        ids = tuple(index)
-        if len(ids) != num_seqs:
-            raise ValueError(f"index holds {len(ids)} teachers for S={num_seqs} sequences")
+        ids = checks.host_sequence("index", index, num_seqs, "ints")
         for k in ids:
             checks.integer("index", k)
             if not 0 <= k < num_teachers:
