@@ -76,6 +76,13 @@ class Objective:
         """The region that selects this objective's tokens over the step, or None."""
         return None
 
+    def token_local(self, plan: Plan) -> bool:
+        """Whether, on ``plan``, the gradient of this objective's term with respect to token ``t``'s
+        log-prob and entropy reads the outputs at ``t`` only (given the pre-forward streams and the
+        step's selection): what lets ``packloss.vocab.FusedObjective`` take its one pass. False unless
+        the objective says so."""
+        return False
+
     def selection_streams(self, plan: Plan, name: str) -> SelectionStreams:
         """The pre-forward streams of component ``name`` that :meth:`step_selector` reads."""
         raise NotImplementedError(f"{type(self).__name__} has no step-wide selection")

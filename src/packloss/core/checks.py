@@ -87,9 +87,10 @@ def tensor(
     shape: tuple[int, ...] | None = None,
     floating: bool = False,
     boolean: bool = False,
+    integer: bool = False,
     device: torch.device | None = None,
 ) -> Tensor:
-    """``value`` as a tensor of ``shape`` (when given), floating-point or bool (when asked), on
+    """``value`` as a tensor of ``shape`` (when given), floating-point, bool or integer (when asked), on
     ``device`` (when given). Reads shapes, dtypes and devices only: never a value."""
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
@@ -99,6 +100,8 @@ def tensor(
         raise TypeError(f"{name} must be a floating-point tensor, got {value.dtype}")
     if boolean and value.dtype != torch.bool:
         raise TypeError(f"{name} must be a bool tensor, got {value.dtype}")
+    if integer and (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool):
+        raise TypeError(f"{name} must be an integer tensor, got {value.dtype}")
     if device is not None and value.device != device:
         raise ValueError(f"{name} is on {value.device}, expected {device}")
     return value

@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from packloss.core import checks
-from packloss.core.bin import ComponentInputs, ComponentOutput, Objective
+from packloss.core.bin import ComponentInputs, ComponentOutput, Objective, Plan
 from packloss.core.dtypes import upcast
 
 __all__ = ["Entropy", "AdaptiveEntropy"]
@@ -31,6 +31,9 @@ class Entropy(Objective):
                                  f"of shape {list(self.coef.shape)}")  # fmt: skip
         else:
             checks.number("coef", self.coef)
+
+    def token_local(self, plan: Plan) -> bool:
+        return True
 
     def __call__(self, inputs: ComponentInputs) -> ComponentOutput:
         h = upcast(inputs.outputs.require("entropy", inputs.name))  # [N]

@@ -84,6 +84,9 @@ class RatioWeightedKL(Objective):
         checks.nonnegative("RatioWeightedKL.coef", self.coef)
         checks.choice("RatioWeightedKL.level", self.level, LEVELS)
 
+    def token_local(self, plan: Plan) -> bool:
+        return self.level == "token"
+
     def check_plan(self, plan: Plan, name: str) -> None:
         plan.require("ref_logprobs", name)
 

@@ -21,7 +21,8 @@ class Outputs:
     trainer's log-probs of the sampled tokens, ``entropy [N]``, ``values [N]`` a critic's values,
     ``topk_logprobs [N, K]`` the trainer's log-probs at the plan's ``rollout_topk_ids``,
     ``logits [N, V]`` student logits, or ``hidden [N, H]`` with ``head_weight [V, H]`` (the fused head:
-    the ``N × V`` logits never exist)."""
+    the ``N × V`` logits never exist) and ``labels [N]`` the sampled token ids (integer) for a component
+    that computes its log-probs from them (``packloss.vocab.FusedObjective``)."""
 
     logprobs: Tensor | None = None
     entropy: Tensor | None = None
@@ -30,12 +31,15 @@ class Outputs:
     logits: Tensor | None = None
     hidden: Tensor | None = None
     head_weight: Tensor | None = None
+    labels: Tensor | None = None
 
     def __post_init__(self) -> None:
         for name in (*OUTPUT_DIMS, "head_weight"):
             value = getattr(self, name)
             if value is not None:
                 checks.tensor(f"outputs.{name}", value, floating=True)
+        if self.labels is not None:
+            checks.tensor("outputs.labels", self.labels, integer=True)
         if (self.hidden is None) != (self.head_weight is None):
             raise ValueError("outputs.hidden and outputs.head_weight go together: give both or neither")
         if self.hidden is not None and (
@@ -57,7 +61,11 @@ class Outputs:
                 raise ValueError(f"outputs.{name} must have shape {want} with N={n}, got {list(value.shape)}")
             if value.device != plan.device:
                 raise ValueError(f"outputs.{name} is on {value.device} but the plan is on {plan.device}")
-        checks.same_device("the plan", plan.device, **{"outputs.head_weight": self.head_weight})
+        if self.labels is not None and tuple(self.labels.shape) != (n,):
+            raise ValueError(f"outputs.labels must have shape [N] with N={n}, got {list(self.labels.shape)}")
+        checks.same_device(
+            "the plan", plan.device, **{"outputs.head_weight": self.head_weight, "outputs.labels": self.labels}
+        )
 
     def require(self, name: str, component: str) -> Tensor:
         """The output ``name``, or a ``ValueError`` naming the component that needs it."""

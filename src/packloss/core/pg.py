@@ -157,6 +157,14 @@ class PolicyGradient(Objective):
     def step_selector(self) -> StepSelector | None:
         return self.trust_region if isinstance(self.trust_region, StepSelector) else None
 
+    def token_local(self, plan: Plan) -> bool:
+        # a sequence-level correction reads sg(trn) over the sequence unless an old stream is its numerator;
+        # the off-policy mask always reads sg(trn) over the sequence
+        correction = self.correction is None or self.correction.level == "token" or (
+            self.ratio == "old" and plan.old_logprobs is not None
+        )
+        return self.trust_region.token_local and correction and self.off_policy_mask is None
+
     def selection_streams(self, plan: Plan, name: str) -> SelectionStreams:
         m = plan.members[name]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from packloss.core.bin import ComponentInputs, ComponentOutput, Objective
+from packloss.core.bin import ComponentInputs, ComponentOutput, Objective, Plan
 from packloss.core.dtypes import upcast
 
 __all__ = ["SFT"]
@@ -16,6 +16,9 @@ class SFT(Objective):
 
     Reads ``outputs.logprobs``. Its mean NLL over the members is the engine's ``{name}/loss`` metric.
     """
+
+    def token_local(self, plan: Plan) -> bool:
+        return True
 
     def __call__(self, inputs: ComponentInputs) -> ComponentOutput:
         return ComponentOutput(per_token=-upcast(inputs.trainer_logprobs))  # [N]

@@ -65,6 +65,9 @@ class ValueLoss(Objective):
             raise ValueError(f"ValueLoss.huber_delta is only used with loss='huber', got loss={self.loss!r}")
         object.__setattr__(self, "coef", checks.nonnegative("ValueLoss.coef", self.coef))
 
+    def token_local(self, plan: Plan) -> bool:
+        return True
+
     def check_plan(self, plan: Plan, name: str) -> None:
         plan.require("returns", name)
         if self.clip is not None:

@@ -5,6 +5,7 @@ sampler-support log-probs and the ``VocabDistill`` engine component, on one voca
 from packloss.vocab.component import VocabDistill
 from packloss.vocab.core import DIVERGENCES, VocabParallel
 from packloss.vocab.distill import divergence, forward_kl, jsd, reverse_kl, soft_cross_entropy
+from packloss.vocab.fused_objective import FusedObjective
 from packloss.vocab.head import linear_logprobs
 from packloss.vocab.head_distill import linear_distill
 from packloss.vocab.multi_teacher import MultiTeacherDistill, TeacherHeads
@@ -28,6 +29,7 @@ __all__ = [
     "logprobs_at",
     "linear_distill",
     "VocabDistill",
+    "FusedObjective",
     "TopKDistill",
     "MultiTeacherDistill",
     "TeacherHeads",

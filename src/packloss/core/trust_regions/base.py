@@ -81,6 +81,9 @@ class TrustRegion:
     reads_token_ratio: ClassVar[bool] = True
     """Whether the surrogate reads ``t.r``, the token ratio a ``PolicyGradient(ratio_cap=)`` caps
     (False for the regions computing from ``log_r`` or ``trn``: sequence ratios, REINFORCE, SAPO)."""
+    token_local: ClassVar[bool] = True
+    """Whether the surrogate's gradient at token ``t`` reads ``trn`` at ``t`` only (False for those
+    coupling a sequence's tokens: sequence ratios and weights); see ``Objective.token_local``."""
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         raise NotImplementedError

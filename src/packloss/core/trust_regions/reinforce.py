@@ -69,6 +69,7 @@ class TOPR(TrustRegion):
     """
 
     reads_token_ratio: ClassVar[bool] = False
+    token_local: ClassVar[bool] = False
 
     low: float = 0.0
     high: float = 1.0
@@ -114,6 +115,7 @@ class VESPO(TrustRegion):
     """
 
     reads_token_ratio: ClassVar[bool] = False
+    token_local: ClassVar[bool] = False
 
     k_pos: float = 2.0
     lambda_pos: float = 3.0

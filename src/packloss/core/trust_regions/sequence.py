@@ -36,6 +36,7 @@ class GSPO(TrustRegion):
     sequence ratio ``s_i = exp(mean_{t∈i} log_r)``. Metrics ``seq_ratio_mean``/``_min``/``_max``."""
 
     reads_token_ratio: ClassVar[bool] = False
+    token_local: ClassVar[bool] = False
 
     clip_low: float = 3e-4
     clip_high: float = 4e-4
@@ -67,6 +68,7 @@ class SequenceLevel(TrustRegion):
     """
 
     reads_token_ratio: ClassVar[bool] = False
+    token_local: ClassVar[bool] = False
 
     inner: TrustRegion = PPOClip()
 
@@ -94,6 +96,7 @@ class SequenceRatioClip(PPOClip):
     """
 
     reads_token_ratio: ClassVar[bool] = False
+    token_local: ClassVar[bool] = False
 
     def surrogate(self, t: PolicyTerms) -> Surrogate:
         seq_log_r, count = _sequence_log_ratio(t)  # [S], differentiable
@@ -118,6 +121,7 @@ class GMPO(TrustRegion):
     """
 
     reads_token_ratio: ClassVar[bool] = False
+    token_local: ClassVar[bool] = False
 
     clip_low: float = 0.2
     clip_high: float = 0.2
