@@ -63,7 +63,7 @@ def run(device: str, quick: bool, progress: Callable[[str], None] | None = None,
     adapter_shapes = list(s.rl_shapes if s.adapter_shapes is None else s.adapter_shapes)
     rows.extend(run_adapters(adapter_shapes, s.compiled, s.rl_warmup, s.rl_repeat, report, notes))
     rows.extend(run_gae(list(s.rl_shapes), s.rl_warmup, s.rl_repeat, report, notes))
-    for kind in ("head", "distill"):
+    for kind in ("head", "distill", "rl head"):
         shapes = list(s.fused_shapes)
         repeats = (s.fused_repeat, s.fused_rounds)
         fused = run_fused(kind, shapes, s.fused_check, *repeats, device, report, notes, s.compiled)

@@ -22,6 +22,7 @@ from packloss.tools.bench._measure import (
     run_fresh,
     time_ms,
 )
+from packloss.tools.bench.peers_head_rl import RL_HEAD_VARIANTS, rl_head_fn, rl_head_inputs
 from packloss.vocab.core import HEAD_BLOCK, chunk_ranges, chunk_rows, mm_into
 from packloss.vocab.head import DEFAULT_VOCAB_CHUNK_SIZE
 
@@ -137,15 +138,24 @@ def distill_fn(variant: str) -> Callable[..., Tensor]:
     raise ValueError(f"distill_fn: unknown variant {variant!r}")
 
 
+def _kind(kind: str) -> tuple[dict[str, str | None], Callable[[str], Callable[..., Tensor]], Callable[..., tuple]]:
+    """``(variants, variant -> fn, inputs)`` of a comparison: ``head``, ``distill`` or ``rl head``."""
+    kinds = {
+        "head": (HEAD_VARIANTS, head_fn, _head_inputs),
+        "distill": (DISTILL_VARIANTS, distill_fn, _distill_inputs),
+        "rl head": (RL_HEAD_VARIANTS, rl_head_fn, rl_head_inputs),
+    }
+    if kind not in kinds:
+        raise ValueError(f"unknown comparison {kind!r}; choose from {tuple(kinds)}")
+    return kinds[kind]
+
+
 def _values(kind: str, variant: str, n: int, h: int, v: int, device: str, seed: int) -> dict[str, Tensor]:
     """One variant's output and gradients w.r.t. the student's hidden and weight."""
-    if kind == "head":
-        hd, w, y = _head_inputs(n, h, v, device, seed)
-        out = head_fn(variant)(hd, w, y)
-    else:
-        hd, w, th, tw, y = _distill_inputs(n, h, v, device, seed)
-        out = distill_fn(variant)(hd, w, th, tw, y)
-    g_h, g_w = torch.autograd.grad(out.sum(), [hd, w])
+    _, fn, make = _kind(kind)
+    inputs = make(n, h, v, device, seed)
+    out = fn(variant)(*inputs)
+    g_h, g_w = torch.autograd.grad(out.sum(), [inputs[0], inputs[1]])
     return {"value": out.detach(), "d hidden": g_h, "d weight": g_w}
 
 
@@ -176,8 +186,9 @@ def _peak_and_times(step: Callable[[], None], device: str, repeat: int) -> dict:
 def measure_fused(kind: str, variant: str, n: int, h: int, v: int, device: str, repeat: int, threads: int) -> dict:
     """In a fresh process: :func:`_peak_and_times` of one forward+backward; ``value``: the summed output."""
     torch.set_num_threads(threads)
-    inputs = _head_inputs(n, h, v, device, 0) if kind == "head" else _distill_inputs(n, h, v, device, 0)
-    fn = head_fn(variant) if kind == "head" else distill_fn(variant)
+    _, fn_of, make = _kind(kind)
+    inputs = make(n, h, v, device, 0)
+    fn = fn_of(variant)
     hidden, weight = inputs[0], inputs[1]
     value: list[float] = []
 
@@ -218,10 +229,10 @@ def _shape(shape: tuple[int, int, int]) -> str:
 
 def run_fused(kind: str, shapes: list[tuple[int, int, int]], check_shape: tuple[int, int, int], repeat: int,
               rounds: int, device: str, progress, notes: list[str], compiled: bool = True) -> list[dict]:  # fmt: skip
-    """``head`` or ``distill``: the variants whose modules import (the compiled ones only with
+    """``head``, ``distill`` or ``rl head``: the variants whose modules import (the compiled ones only with
     ``compiled``), checked, then measured at each shape (:func:`_rounds`); every packloss row gets its
     ratios to each peer and to the compiled naive loss, every row its ratios to the eager naive one."""
-    table = HEAD_VARIANTS if kind == "head" else DISTILL_VARIANTS
+    table = _kind(kind)[0]
     variants = []
     for variant, module in table.items():
         if variant in _COMPILED_VARIANTS and not compiled:
