@@ -1,6 +1,7 @@
 """The Python snippets of the docs run: ``docs/context_parallel.md``'s on two gloo ranks give the
 gradient of one process (each snippet's ``step`` returns the step's gradient after the ranks'
-averaging); ``docs/critic.md``'s PPO step trains both of its components."""
+averaging); ``docs/critic.md``'s PPO step trains both of its components; ``docs/fused_objective.md``'s
+one pass gives the head its gradients."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from packloss.testing.dist import run_gloo, run_program
 
 DOC = ROOT / "docs" / "context_parallel.md"
 CRITIC = ROOT / "docs" / "critic.md"
+FUSED = ROOT / "docs" / "fused_objective.md"
 
 
 def _program(doc=DOC) -> str:
@@ -38,3 +40,14 @@ def test_critic_snippet_trains_the_policy_and_the_critic():
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
     assert namespace["values"].grad[1] == 0  # the tool's token is no member
     assert set(namespace["critic_metrics"]) == {"critic/loss", "critic/vf_clipfrac", "critic/vpred_mean"}
+
+
+def test_fused_objective_snippet_takes_the_one_pass():
+    namespace: dict = {}
+    exec(compile(_program(FUSED), str(FUSED), "exec"), namespace)
+    for name in ("hidden", "head"):
+        grad = namespace[name].grad
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    off = ~namespace["completion"]
+    assert torch.equal(namespace["hidden"].grad[off], torch.zeros_like(namespace["hidden"].grad[off]))
+    assert "rl/loss" in namespace["result"].metrics

@@ -27,7 +27,7 @@ from packloss.core.sft import SFT
 from packloss.core.step import StepDenominators, count_denominators
 from packloss.core.trust_regions import TRUST_REGIONS, PolicyTerms, Surrogate, TrustRegion, register_trust_region
 from packloss.core.value import ValueLoss
-from packloss.vocab import MultiTeacherDistill, TeacherHeads, TopKDistill, VocabDistill, VocabParallel
+from packloss.vocab import FusedObjective, MultiTeacherDistill, TeacherHeads, TopKDistill, VocabDistill, VocabParallel
 
 __all__ = [
     "Plan",
@@ -63,6 +63,7 @@ __all__ = [
     "Entropy",
     "AdaptiveEntropy",
     "VocabDistill",
+    "FusedObjective",
     "TopKDistill",
     "MultiTeacherDistill",
     "TeacherHeads",

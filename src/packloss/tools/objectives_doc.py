@@ -20,7 +20,7 @@ from packloss.core.sft import SFT
 from packloss.core.trust_regions import TRUST_REGIONS
 from packloss.core.value import ValueLoss
 from packloss.integrations import trl, verl
-from packloss.vocab import MultiTeacherDistill, TopKDistill, VocabDistill
+from packloss.vocab import FusedObjective, MultiTeacherDistill, TopKDistill, VocabDistill
 
 __all__ = ["TESTED_BY", "OBJECTIVES", "tested_by", "objective_test", "render", "main"]
 
@@ -69,7 +69,7 @@ missing here fails the docs test)."""
 
 OBJECTIVES: tuple[type, ...] = (
     *(SFT, Entropy, RatioWeightedKL, ValueLoss, DPO, SimPO, ORPO, KTO, DistributionalIPO, ScoreCentering),
-    *(VocabDistill, TopKDistill, MultiTeacherDistill),
+    *(VocabDistill, TopKDistill, MultiTeacherDistill, FusedObjective),
 )
 """The objectives besides ``PolicyGradient`` (a public one missing here fails the docs test)."""
 

@@ -37,7 +37,7 @@ RLHeadInputs = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # hidden, 
 
 def rl_head_inputs(n: int, h: int, v: int, device: str, seed: int) -> RLHeadInputs:
     """``hidden [N, H]``, ``weight [V, H]`` (both requiring grad), ``labels [N]``, ``mask [N]``, per-token
-    ``advantages [N]`` (one per sequence of :data:`ROW_TOKENS`) and ``old_logprobs [N]`` within ±0.15 of
+    ``advantages [N]`` (one per sequence of :data:`ROW_TOKENS`) and ``old_logprobs [N]`` within ±0.3 of
     the head's own log-probs, so that some ratios clip."""
     g = torch.Generator().manual_seed(seed)
     rows = max(n // ROW_TOKENS, 1)
@@ -49,7 +49,7 @@ def rl_head_inputs(n: int, h: int, v: int, device: str, seed: int) -> RLHeadInpu
     with torch.no_grad():
         spans = [slice(i, i + ROW_TOKENS) for i in range(0, n, ROW_TOKENS)]
         lp = torch.cat([_naive_logprobs(hidden[s], weight, labels[s]) for s in spans])
-    old = lp + (torch.rand(n, generator=g) - 0.5) * 0.3
+    old = lp + (torch.rand(n, generator=g) - 0.5) * 0.6
     to = lambda t: t.to(device)
     return to(hidden).requires_grad_(), to(weight).requires_grad_(), to(labels), to(mask), to(adv), to(old)
 
