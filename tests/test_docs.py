@@ -32,22 +32,24 @@ def test_context_parallel_snippets_equal_one_process(name):
         torch.testing.assert_close(grad, one, rtol=1e-12, atol=1e-15)
 
 
-def test_critic_snippet_trains_the_policy_and_the_critic():
+def _run_snippets(doc, trained: tuple[str, ...]) -> dict:
+    """Run ``doc``'s snippets; each tensor named in ``trained`` got a finite, non-zero gradient."""
     namespace: dict = {}
-    exec(compile(_program(CRITIC), str(CRITIC), "exec"), namespace)
-    for name in ("logprobs", "values"):
+    exec(compile(_program(doc), str(doc), "exec"), namespace)
+    for name in trained:
         grad = namespace[name].grad
-        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
+    return namespace
+
+
+def test_critic_snippet_trains_the_policy_and_the_critic():
+    namespace = _run_snippets(CRITIC, ("logprobs", "values"))
     assert namespace["values"].grad[1] == 0  # the tool's token is no member
     assert set(namespace["critic_metrics"]) == {"critic/loss", "critic/vf_clipfrac", "critic/vpred_mean"}
 
 
 def test_fused_objective_snippet_takes_the_one_pass():
-    namespace: dict = {}
-    exec(compile(_program(FUSED), str(FUSED), "exec"), namespace)
-    for name in ("hidden", "head"):
-        grad = namespace[name].grad
-        assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    namespace = _run_snippets(FUSED, ("hidden", "head"))
     off = ~namespace["completion"]
     assert torch.equal(namespace["hidden"].grad[off], torch.zeros_like(namespace["hidden"].grad[off]))
     assert "rl/loss" in namespace["result"].metrics

@@ -122,7 +122,12 @@ def test_token_local_says_whether_a_token_gradient_reads_other_tokens(name):
     assert moved != OBJECTIVES[name].token_local(plan), f"{name}: token_local={OBJECTIVES[name].token_local(plan)}"
 
 
-CASES = [("token", 1.0, None, None), ("sequence_mean", 0.7, None, 5), ("token", 1.3, 2.5, 4), ("group_mean", 1.0, 3.0, 64)]
+CASES = [
+    ("token", 1.0, None, None),
+    ("sequence_mean", 0.7, None, 5),
+    ("token", 1.3, 2.5, 4),
+    ("group_mean", 1.0, 3.0, 64),
+]
 
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
