@@ -44,8 +44,9 @@ def rl_head_inputs(n: int, h: int, v: int, device: str, seed: int) -> RLHeadInpu
     hidden = torch.randn(n, h, generator=g) * 0.5
     weight = torch.randn(v, h, generator=g) * 0.05
     labels = torch.randint(0, v, (n,), generator=g)
-    mask = (torch.arange(n) % ROW_TOKENS) >= ROW_TOKENS // 8
-    adv = torch.repeat_interleave(torch.randn(rows, generator=g), n // rows)
+    row = n // rows  # tokens per sequence: ROW_TOKENS, or all of a smaller bin
+    mask = (torch.arange(n) % row) >= row // 8
+    adv = torch.repeat_interleave(torch.randn(rows, generator=g), row)
     with torch.no_grad():
         spans = [slice(i, i + ROW_TOKENS) for i in range(0, n, ROW_TOKENS)]
         lp = torch.cat([_naive_logprobs(hidden[s], weight, labels[s]) for s in spans])
