@@ -22,6 +22,7 @@ from packloss.core.dtypes import finite_exp, upcast
 from packloss.core.kl import KLPenalty, kl_estimate
 from packloss.core.metrics import metric_means
 from packloss.core.segments import Segments
+from packloss.core.top_entropy import TopEntropy
 from packloss.core.trust_regions import (
     DPPOMask,
     IPOMask,
@@ -47,7 +48,8 @@ def _detached(x: Tensor | None) -> Tensor | None:
 class PolicyInputs:
     """The streams a policy-gradient objective reads for one bin (``[N]`` each): members ``m``, the
     trainer's log-probs ``trn`` (with their gradient), the rollout / old / reference log-probs and the
-    advantages (None when absent), the bin's segments, the metrics mode, and the step-wide selection."""
+    advantages (None when absent), the bin's segments, the metrics mode, the step-wide selection, and
+    the forward's entropy (None when absent; read by ``top_entropy``)."""
 
     m: Tensor
     trn: Tensor
@@ -58,6 +60,7 @@ class PolicyInputs:
     segments: Segments
     per_sequence_metrics: bool = False
     selection: Selection | None = None
+    entropy: Tensor | None = None
 
     @classmethod
     def of(cls, inputs: ComponentInputs) -> PolicyInputs:
@@ -73,6 +76,7 @@ class PolicyInputs:
             segments=inputs.segments,
             per_sequence_metrics=inputs.per_sequence_metrics,
             selection=inputs.selection,
+            entropy=inputs.outputs.entropy,
         )
 
 
@@ -100,6 +104,8 @@ class PolicyGradient(Objective):
             value ``min(r, C)``, its gradient that of the uncapped ``r`` (``r − sg(r − min(r, C))``);
             only for regions that read ``r`` (``TrustRegion.reads_token_ratio``). Metric ``ratio_capped``.
         off_policy_mask: an :class:`~packloss.OffPolicyMask` (off-policy sequence masking) or None.
+        top_entropy: a :class:`~packloss.core.top_entropy.TopEntropy` (the policy gradient of the
+            high-entropy members only; reads ``Outputs.entropy``) or None. Metric ``high_entropy``.
     """
 
     trust_region: TrustRegion | str = "ppo_clip"
@@ -110,6 +116,7 @@ class PolicyGradient(Objective):
     correction: RolloutCorrection | None = None
     ratio_cap: float | None = None
     off_policy_mask: OffPolicyMask | None = None
+    top_entropy: TopEntropy | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "trust_region", trust_region(self.trust_region))
@@ -134,6 +141,8 @@ class PolicyGradient(Objective):
             raise TypeError(
                 f"off_policy_mask must be an OffPolicyMask or None, got {type(self.off_policy_mask).__name__}"
             )
+        if self.top_entropy is not None and not isinstance(self.top_entropy, TopEntropy):
+            raise TypeError(f"top_entropy must be a TopEntropy or None, got {type(self.top_entropy).__name__}")
 
     def __call__(self, inputs: ComponentInputs) -> ComponentOutput:
         return pg_loss(PolicyInputs.of(inputs), self)
@@ -163,7 +172,9 @@ class PolicyGradient(Objective):
         correction = self.correction is None or self.correction.level == "token" or (
             self.ratio == "old" and plan.old_logprobs is not None
         )
-        return self.trust_region.token_local and correction and self.off_policy_mask is None
+        # a bin's own entropy quantile reads every token's entropy; the step's threshold is a constant
+        entropy = self.top_entropy is None or self.top_entropy.threshold is not None
+        return self.trust_region.token_local and correction and self.off_policy_mask is None and entropy
 
     def selection_streams(self, plan: Plan, name: str) -> SelectionStreams:
         m = plan.members[name]
@@ -247,7 +258,8 @@ def pg_loss(p: PolicyInputs, objective: PolicyGradient) -> ComponentOutput:
     weights not applied) and its metrics, unweighted means over the members (scalars, or ``[S]``
     with ``per_sequence_metrics``): ``masked_mismatch_kl`` / ``unmasked_mismatch_kl`` (``r − log_r − 1``
     over dropped / kept members), ``is_masked`` and the trust region's own; ``ref_kl`` (mean
-    ``ref − trn``) for ``advantage="ref_kl"``; each penalty's mean ``K(x)``; the correction's."""
+    ``ref − trn``) for ``advantage="ref_kl"``; each penalty's mean ``K(x)``; the correction's;
+    ``high_entropy`` (the fraction of members kept) with ``top_entropy``."""
     t = policy_terms(p, objective)
     m = t.m
     result = objective.trust_region.surrogate(t)
@@ -270,6 +282,17 @@ def pg_loss(p: PolicyInputs, objective: PolicyGradient) -> ComponentOutput:
         weight, correction_metrics = objective.correction.weights(numerator, t.rollout, m, t.segments)
         pg = pg * weight
         named.update(correction_metrics)
+    if objective.top_entropy is not None:
+        if p.entropy is None:
+            raise ValueError("PolicyGradient(top_entropy=) needs outputs.entropy, got None")
+        if objective.top_entropy.threshold is None and t.segments.sharded:
+            raise ValueError(
+                "PolicyGradient(top_entropy=) on a context-parallel shard needs the step's threshold: "
+                "TopEntropy.over(..., all_gather=True, group=...) over the ranks holding the bin"
+            )
+        kept = objective.top_entropy.keep(p.entropy, m)  # [N]
+        pg = torch.where(kept, pg, 0.0)  # the policy gradient only: the penalties below stay on every member
+        named["high_entropy"] = (kept, m)
     per_token = pg
     for penalty in objective.penalties:
         k = kl_estimate(penalty.estimator, _penalty_x(p, penalty, t, objective))

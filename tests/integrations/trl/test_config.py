@@ -15,8 +15,10 @@ from packloss import (
     compute_loss,
     count_denominators,
 )
+from packloss.core.top_entropy import TopEntropy
 from packloss.core.trust_regions import GSPO, PPOClip
 from packloss.integrations.trl import TRL_DEFAULTS, from_trl
+from packloss.testing.trl import OneProcess
 from tests.integrations.trl.harness import (
     F64,
     VARIANTS,
@@ -174,7 +176,7 @@ def test_trl_defaults_match_grpo_config():
 @pytest.mark.parametrize(
     "options, error, match",
     [
-        (dict(top_entropy_quantile=0.2), NotImplementedError, "GRPOConfig.top_entropy_quantile=0.2 is not mapped"),
+        (dict(top_entropy_quantile=1.5), ValueError, r"GRPOConfig.top_entropy_quantile must be in \[0, 1\]"),
         (dict(off_policy_mask_threshold=float("nan")), ValueError, "off_policy_mask_threshold must be finite"),
         (dict(use_vllm=True, vllm_importance_sampling_clip_max=None), NotImplementedError, "clip_max=None"),
         (dict(delta=1.1, epsilon_high=0.28), NotImplementedError, "GRPOConfig.delta=1.1"),
@@ -218,3 +220,71 @@ def test_off_policy_mask_variants_drop_some_negative_rows(name):
     keep = GRPOTrainer.get_off_policy_mask(b.adv[:, None], b.logps, base, mask, options["off_policy_mask_threshold"])
     negative = b.adv < 0
     assert 0 < int((keep[:, 0] == 0).sum()) < int(negative.sum())
+
+
+# ---------------------------------------------------------------------------------------------------
+# top_entropy_quantile
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def trl_pads_on_one_process(monkeypatch):
+    """TRL's ``get_high_entropy_mask`` pads across processes: the identity on one process."""
+    monkeypatch.setattr(OneProcess, "pad_across_processes", staticmethod(lambda x, **kwargs: x), raising=False)
+
+
+TOP_ENTROPY_CASES = {
+    "dapo-token": ("dapo", "token", "beta0", "off"),
+    "grpo-sequence-kl": ("grpo", "sequence", "beta_kl", "token_truncate"),  # the k3 penalty is not masked
+    "bnpo-kl_bias_corrected": ("bnpo", "token", "beta_kl_bias_corrected", "sequence_mask"),
+    "cispo-token": ("cispo", "token", "beta0", "on_policy"),
+    "vespo-token": ("vespo", "token", "beta_kl", "token_mask"),
+    "luspo-sequence": ("luspo", "sequence", "beta0", "off"),
+    "sapo-sequence": ("sapo", "sequence", "beta0", "off"),
+}
+
+
+@pytest.mark.usefixtures("trl_pads_on_one_process")
+@pytest.mark.parametrize("quantile", [0.0, 0.2, 0.7])
+@pytest.mark.parametrize("name", sorted(TOP_ENTROPY_CASES))
+def test_top_entropy_quantile_matches_trl(name, quantile):
+    """3 micro-batches: TRL's quantile is per ``_compute_loss`` call, i.e. each bin's own (one process); at
+    sequence level the mask weighs a sequence's tokens unequally, so TRL's differentiable ``s_i`` is
+    ``SequenceLevel`` (GSPO-token's gradient would differ). Entropies in float32 (the trainer's dtype; TRL
+    takes its quantile in float32 whatever theirs): loss and gradient within 1e-10."""
+    loss_type, level, beta, is_case = TOP_ENTROPY_CASES[name]
+    cfg = config(loss_type, level, beta, is_case, rows=4, accumulation=3, top_entropy_quantile=quantile)
+    b = padded_batch(seed=seed_of(name, "top_entropy"), rows=12, empty_rows=(6,))
+    b.entropies = b.entropies.float()
+    micro = [slice(0, 4), slice(4, 8), slice(8, 12)]
+    old_given = is_case != "on_policy"
+    recipe = from_trl(cfg)
+    assert recipe.objective.top_entropy == TopEntropy(quantile)
+    trl = trl_loss(cfg, b, micro, old_given)
+    ours = packloss_loss(recipe, b, micro, old_given)
+    if loss_type in ("grpo", "sapo"):
+        ours = ours * (members_per_row(b) > 0).sum().to(F64) / 12  # TRL's mean counts the empty row
+    if loss_type == "bnpo":
+        ours = packloss_loss(recipe, b, micro, old_given, step=False) / 3
+    assert_close(ours, trl)
+    assert_close(grad(ours, b), grad(trl, b))
+    everything = SimpleNamespace(**{**vars(cfg), "top_entropy_quantile": 1.0})
+    assert_differ(trl_loss(everything, b, micro, old_given), trl)  # the mask drops tokens here
+
+
+@pytest.mark.usefixtures("trl_pads_on_one_process")
+def test_top_entropy_mask_is_trls_on_float32_entropies():
+    """The kept tokens equal TRL's own ``get_high_entropy_mask`` on float32 entropies (the trainer's dtype),
+    ties included, and some but not all members are kept."""
+    b = padded_batch(seed=21, rows=6)
+    mask = b.completion_mask * b.tool_mask
+    trainer = SimpleNamespace(accelerator=OneProcess())
+    for entropies in (b.entropies.float(), (b.entropies * 2).round().float() / 2):
+        for quantile in (0.0, 0.2, 0.5, 1.0):
+            expected = GRPOTrainer.get_high_entropy_mask(trainer, entropies, mask, 1 - quantile)
+            valid = b.valid
+            got = TopEntropy(quantile).keep(entropies[valid], mask.bool()[valid])
+            assert torch.equal(got, expected[valid]), quantile
+            assert not expected[~valid].any()
+            if 0 < quantile < 1:
+                assert 0 < int(got.sum()) < int(mask.sum())

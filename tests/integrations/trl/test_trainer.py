@@ -36,8 +36,10 @@ from trl import GRPOConfig, GRPOTrainer
 
 from conftest import ROOT
 from packloss.integrations.trl import LOSS_TYPES, PacklossGRPOTrainer
-from packloss.testing.trl import bare_grpo_trainer
-from tests.integrations.trl.harness import F64, assert_close, cases, compute, config, padded_batch
+from packloss.testing import run_gloo
+from packloss.testing.dist import run_program
+from packloss.testing.trl import OneProcess, bare_grpo_trainer
+from tests.integrations.trl.harness import F64, assert_close, cases, compute, config, padded_batch, seed_of
 
 DOC = ROOT / "docs" / "integrations" / "trl.md"
 WORDS = ["<pad>", "<eos>", "<unk>"] + [f"w{i}" for i in range(9)]
@@ -171,6 +173,10 @@ def _e2e_cases():
             "grpo-adaptive_entropy": dict(loss_type="grpo", use_adaptive_entropy=True, entropy_coef=0.01,
                                           entropy_target=10.0, entropy_coef_delta=0.02, num_iterations=2),
             "grpo-masked_truncated": dict(loss_type="grpo", mask_truncated_completions=True, num_iterations=2),
+            # the high-entropy minority: the policy gradient and the entropy bonus over the top 20%
+            "grpo-top_entropy": dict(loss_type="grpo", top_entropy_quantile=0.2, entropy_coef=0.01, num_iterations=2),
+            "dapo-top_entropy_sequence": dict(loss_type="dapo", importance_sampling_level="sequence",
+                                              top_entropy_quantile=0.5, beta=0.04, num_iterations=2),
         }
     )  # fmt: skip
     return out
@@ -217,8 +223,8 @@ def test_options_are_checked_before_the_models_load(tiny):
                           per_device_train_batch_size=4, num_generations=4, **options)  # fmt: skip
         return PacklossGRPOTrainer("no/such-model", reward_w3, args, dataset, packloss_normalization=normalization)
 
-    with pytest.raises(NotImplementedError, match="top_entropy_quantile"):
-        build(top_entropy_quantile=0.5)
+    with pytest.raises(NotImplementedError, match="top_entropy_quantile < 1 and an entropy bonus"):
+        build("step", top_entropy_quantile=0.5, entropy_coef=0.01)
     with pytest.raises(ValueError, match="packloss_normalization must be one of"):
         build("tokens")
     with pytest.raises(ValueError, match="steps_per_generation .* multiple of gradient_accumulation_steps"):
@@ -289,6 +295,141 @@ def test_compute_loss_matches_trl_per_rank(loss_type):
                  entropy_coef=0.02)  # fmt: skip
     b = padded_batch(seed=37, rows=8, empty_rows=(3,))
     assert_same_loss_and_metrics(cfg, b, [slice(0, 4), slice(4, 8)], world=2)
+
+
+TOP_ENTROPY = {
+    "dapo-bonus": dict(loss_type="dapo", entropy_coef=0.02),
+    "grpo-sequence-kl": dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.04),
+    "bnpo-adaptive": dict(loss_type="bnpo", use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=10.0,
+                          entropy_coef_delta=0.02, entropy_coef_min=0.0, entropy_coef_max=1.0),
+    "dr_grpo-vllm": dict(loss_type="dr_grpo", use_vllm=True, vllm_importance_sampling_mode="token_truncate",
+                         vllm_importance_sampling_clip_min=0.5, entropy_coef=0.02),
+}  # fmt: skip
+
+
+@pytest.fixture
+def trl_pads_on_one_process(monkeypatch):
+    """TRL's ``get_high_entropy_mask`` pads across processes: the identity on one process."""
+    monkeypatch.setattr(OneProcess, "pad_across_processes", staticmethod(lambda x, **kwargs: x), raising=False)
+
+
+@pytest.mark.usefixtures("trl_pads_on_one_process")
+@pytest.mark.parametrize("mode", ["train", "eval"])
+@pytest.mark.parametrize("name", sorted(TOP_ENTROPY))
+def test_compute_loss_matches_trl_with_top_entropy_quantile(name, mode):
+    """``top_entropy_quantile=0.3``: TRL's mask per call, and the entropy bonus (static or adaptive) over
+    the kept tokens. Entropies in float32, the trainer's dtype (TRL's quantile is float32 whatever theirs):
+    the gradient within 1e-10, the loss within 1e-7 (TRL sums the bonus in float32, packloss in float64),
+    every TRL metric as above; the bonus's packloss metric is the kept tokens' mean entropy."""
+    options = TOP_ENTROPY[name]
+    level = options.get("importance_sampling_level", "token")
+    cfg = config(options["loss_type"], level, "beta0", "off", rows=4, accumulation=2, top_entropy_quantile=0.3)
+    for key, value in options.items():
+        setattr(cfg, key, value)
+    b = padded_batch(seed=seed_of(name, mode, "top_entropy"), rows=8, empty_rows=(5,))
+    b.entropies = b.entropies.float()
+    trl, ours = bare_trl_trainer(cfg), packloss_trainer(cfg)
+    micro = [slice(0, 4), slice(4, 8)] if mode == "train" else [slice(0, 8)]
+    for _ in range(2):  # the adaptive coefficient moves after the first step
+        expected = compute(trl, cfg, b, micro, mode=mode)
+        got = compute(ours, cfg, b, micro, mode=mode)
+        assert_close(got, expected, rtol=1e-7)
+        (g_expected,) = torch.autograd.grad(expected, b.logps, retain_graph=True)
+        (g_got,) = torch.autograd.grad(got, b.logps)
+        assert_close(g_got, g_expected)
+    assert ours.entropy_coef == trl.entropy_coef
+    for key, values in trl._metrics[mode].items():
+        got, want = torch.tensor(ours._metrics[mode][key], dtype=F64), torch.tensor(values, dtype=F64)
+        assert torch.allclose(got, want, rtol=1e-6, atol=1e-7, equal_nan=True), (key, got, want)
+    kept = ours._metrics[mode]["packloss/pg/high_entropy"]
+    assert all(0.2 < k < 0.5 for k in kept), kept
+    if "entropy" in ours.packloss_recipe.components:
+        kept_entropy, all_entropy = ours._metrics[mode]["packloss/entropy/entropy"], trl._metrics[mode]["entropy"]
+        assert all(a > b for a, b in zip(kept_entropy, all_entropy, strict=True))
+
+
+TWO_RANKS = """
+import torch
+import torch.distributed as dist
+from trl import GRPOTrainer
+
+from packloss.integrations.trl import PacklossGRPOTrainer
+from packloss.testing.trl import bare_grpo_trainer
+from tests.integrations.trl.harness import compute, config, padded_batch
+
+
+class Ranks:
+    # TRL's accelerator over the gloo group: gather, reduce, pad_across_processes
+    sync_gradients = True
+
+    def __init__(self):
+        self.num_processes = dist.get_world_size()
+
+    def gather(self, x):
+        x = x[None] if x.dim() == 0 else x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.num_processes)]
+        dist.all_gather(parts, x)
+        return torch.cat(parts)
+
+    gather_for_metrics = gather
+
+    def reduce(self, x, reduction="sum"):
+        x = x.clone()
+        dist.all_reduce(x)
+        return x
+
+    def pad_across_processes(self, x, dim=0, pad_index=0, pad_first=False):
+        longest = int(self.gather(torch.tensor([x.shape[0]])).max())
+        return torch.cat([x, x.new_full((longest - x.shape[0], *x.shape[1:]), pad_index)])
+
+
+def trainers(cfg):
+    trl = bare_grpo_trainer(GRPOTrainer, cfg)
+    trl.accelerator = Ranks()
+    ours = object.__new__(PacklossGRPOTrainer)
+    ours.__dict__.update(bare_grpo_trainer(GRPOTrainer, cfg).__dict__)
+    ours.accelerator = Ranks()
+    ours._init_packloss("trl")
+    return trl, ours
+
+
+def worker(rank, world_size):
+    out = {}
+    for name, options in CASES.items():
+        cfg = config(options["loss_type"], "token", "beta0", "off", rows=4, accumulation=2, top_entropy_quantile=0.3)
+        for key, value in options.items():
+            setattr(cfg, key, value)
+        b = padded_batch(seed=41 + rank, rows=8, empty_rows=(5,) if rank else ())
+        b.entropies = b.entropies.float() * (1 + rank)  # rank 1's entropies are higher: a local quantile differs
+        trl, ours = trainers(cfg)
+        micro = [slice(0, 4), slice(4, 8)]
+        expected, got = compute(trl, cfg, b, micro), compute(ours, cfg, b, micro)
+        grads = [torch.autograd.grad(x, b.logps, retain_graph=True)[0] for x in (expected, got)]
+        mask = b.completion_mask * b.tool_mask
+        local = bare_grpo_trainer(GRPOTrainer, cfg)  # one process: TRL's mask over this rank's tokens
+        local.accelerator.pad_across_processes = lambda x, **kwargs: x
+        kept = [int(t.get_high_entropy_mask(b.entropies[:4], mask[:4], 0.7).sum()) for t in (trl, local)]
+        out[name] = (expected.detach(), got.detach(), *grads, dict(trl._metrics["train"]),
+                     dict(ours._metrics["train"]), kept)
+    dist.barrier()
+    return out
+"""
+
+
+def test_two_ranks_take_trls_quantile_over_both_ranks():
+    """Two gloo ranks with different completions, TRL's accelerator calls as collectives: TRL's mask
+    gathers both ranks' entropies (each rank keeps a different number of tokens than with its own
+    quantile), and PacklossGRPOTrainer's loss, gradient and TRL's metrics equal TRL's on each rank."""
+    cases = {k: TOP_ENTROPY[k] for k in ("dapo-bonus", "bnpo-adaptive")}
+    ranks = run_gloo(run_program, world_size=2, args=(f"CASES = {cases!r}\n" + TWO_RANKS, "worker"), timeout=180)
+    for rank in ranks:
+        for name, (expected, got, g_expected, g_got, trl_metrics, our_metrics, kept) in rank.items():
+            assert_close(got, expected, rtol=1e-7)
+            assert_close(g_got, g_expected)
+            for key, values in trl_metrics.items():
+                got_m, want = torch.tensor(our_metrics[key], dtype=F64), torch.tensor(values, dtype=F64)
+                assert torch.allclose(got_m, want, rtol=1e-6, atol=1e-7, equal_nan=True), (name, key, got_m, want)
+            assert kept[0] != kept[1], (name, kept)
 
 
 def test_nan_sampling_logprob_is_ratio_one_as_in_trl():

@@ -16,6 +16,7 @@ from packloss.core.entropy import Entropy
 from packloss.core.kl import KLPenalty, RatioWeightedKL
 from packloss.core.pg import PolicyGradient
 from packloss.core.recipe import POLICY, Recipe
+from packloss.core.top_entropy import TopEntropy
 from packloss.core.trust_regions import GSPO, SAPO, VESPO, CISPOCap, PPOClip, SequenceLevel, TrustRegion
 from packloss.integrations.common.config import ConfigReader
 
@@ -86,11 +87,22 @@ def _unmapped(option: str, value: object, why: str) -> NotImplementedError:
     return NotImplementedError(f"from_trl: GRPOConfig.{option}={value!r} is not mapped: {why}")
 
 
-def _check_unmapped(c: ConfigReader) -> None:
+TOP_ENTROPY_NOTES = (
+    "TRL's quantile is over one micro-batch's loss tokens gathered over the ranks, in float32; packloss's over "
+    "the bins given to `TopEntropy.over` (PacklossGRPOTrainer: TRL's), else the bin's own, in the entropy's dtype",
+)
+_TOP_ENTROPY_BONUS = (
+    "TRL's entropy bonus is over the kept tokens: PacklossGRPOTrainer narrows the entropy component's mask, "
+    "the recipe alone keeps every member"
+)
+
+
+def _top_entropy(c: ConfigReader) -> TopEntropy | None:
+    """TRL's high-entropy token mask, or None when TRL keeps every token (``top_entropy_quantile = 1``)."""
     q = c.number("top_entropy_quantile")
-    if q < 1.0:
-        why = "TRL keeps the tokens above a quantile of the entropy gathered over every rank's micro-batch"
-        raise _unmapped("top_entropy_quantile", q, why)
+    if not 0 <= q <= 1:
+        raise ValueError(f"GRPOConfig.top_entropy_quantile must be in [0, 1], got {q}")
+    return None if q == 1 else TopEntropy(q)
 
 
 def _correction(c: ConfigReader) -> RolloutCorrection | None:
@@ -148,7 +160,8 @@ def _trust_region(c: ConfigReader, loss_type: str, level: str, correction: Rollo
         why = f"below 1 + epsilon_high = {1 + eps_high} TRL's cap also binds on positive advantages (dual clip: not)"
         raise _unmapped("delta", delta, why)
     if sequence:
-        token_weights = correction is not None and correction.level == "token"
+        # per-token weights (a token-level vLLM correction, the entropy mask): TRL's s_i spreads their gradient
+        token_weights = (correction is not None and correction.level == "token") or c.number("top_entropy_quantile") < 1
         if delta is None and not token_weights:
             return GSPO(eps, eps_high)
         return SequenceLevel(PPOClip(eps, eps_high, dual_clip_c=delta))
@@ -176,7 +189,8 @@ def from_trl(grpo_config: object, *, num_processes: int | None = None) -> Recipe
         num_processes: the data-parallel world size ``W`` in the ``constant`` modes (``dr_grpo``,
             ``luspo``); default ``grpo_config.world_size`` (1 without it).
 
-    Returns a recipe with the component ``"pg"`` (the policy gradient, its vLLM correction and, without
+    Returns a recipe with the component ``"pg"`` (the policy gradient, its vLLM correction, with
+    ``top_entropy_quantile < 1`` its :class:`~packloss.core.top_entropy.TopEntropy` and, without
     ``use_bias_correction_kl``, the β·k3 penalty), ``"kl"`` (β·ρ·k3, with ``use_bias_correction_kl``)
     and ``"entropy"`` (``entropy_coef != 0``, or ``use_adaptive_entropy``: its ``coef`` is a 0-d tensor that
     :class:`~packloss.integrations.trl.PacklossGRPOTrainer` sets as TRL's controller does). Raises
@@ -188,7 +202,6 @@ def from_trl(grpo_config: object, *, num_processes: int | None = None) -> Recipe
     c = ConfigReader(grpo_config, "GRPOConfig", TRL_DEFAULTS)
     loss_type = c.choice("loss_type", LOSS_TYPES)
     level = c.choice("importance_sampling_level", LEVELS)
-    _check_unmapped(c)
     correction = _correction(c)
     region = _trust_region(c, loss_type, level, correction)
     world = c.get("world_size", 1) if num_processes is None else num_processes
@@ -204,6 +217,7 @@ def from_trl(grpo_config: object, *, num_processes: int | None = None) -> Recipe
         penalties=penalties,
         correction=None if loss_type == "vespo" else correction,
         off_policy_mask=opm,
+        top_entropy=_top_entropy(c),
     )
     components = {POLICY: Component(pg, normalize=mode, constant=constant)}
     if bias_corrected:
@@ -216,4 +230,7 @@ def from_trl(grpo_config: object, *, num_processes: int | None = None) -> Recipe
         components["entropy"] = Component(Entropy(coef), normalize=Normalize.TOKEN)
     elif entropy_coef != 0:
         components["entropy"] = Component(Entropy(entropy_coef), normalize=Normalize.TOKEN)
-    return Recipe(components, notes=NOTES[loss_type])
+    notes = NOTES[loss_type]
+    if pg.top_entropy is not None:
+        notes += TOP_ENTROPY_NOTES + ((_TOP_ENTROPY_BONUS,) if "entropy" in components else ())
+    return Recipe(components, notes=notes)

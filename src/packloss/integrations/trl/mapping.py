@@ -20,6 +20,7 @@ _OPTIONS: tuple[tuple[str, str, dict[str, Any]], ...] = (
     *(("vllm_importance_sampling_mode", mode, {**_VLLM, "vllm_importance_sampling_mode": mode}) for mode in IS_MODES),
     ("entropy_coef", "0.01", {"entropy_coef": 0.01}),
     ("top_entropy_quantile", "0.2", {"top_entropy_quantile": 0.2}),
+    ("top_entropy_quantile, entropy_coef", "0.2, 0.01", {"top_entropy_quantile": 0.2, "entropy_coef": 0.01}),
     ("off_policy_mask_threshold", "0.5", {"off_policy_mask_threshold": 0.5}),
     ("use_adaptive_entropy", "True", {"use_adaptive_entropy": True}),
 )

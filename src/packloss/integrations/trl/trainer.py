@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -82,6 +82,13 @@ def _check_normalization(config: Any, normalization: str) -> None:
             "PacklossGRPOTrainer.packloss_normalization='step' needs GRPOConfig.steps_per_generation "
             f"({config.steps_per_generation}) to be a multiple of gradient_accumulation_steps "
             f"({config.gradient_accumulation_steps}): a step's micro-batches must come from one generation"
+        )
+    bonus = config.entropy_coef != 0 or config.use_adaptive_entropy
+    if normalization == "step" and config.top_entropy_quantile < 1 and bonus:
+        raise NotImplementedError(
+            "PacklossGRPOTrainer.packloss_normalization='step' with top_entropy_quantile < 1 and an entropy bonus: "
+            "the bonus is a mean over the kept tokens, which the step's denominators, counted before the "
+            "forward, cannot know; use packloss_normalization='trl'"
         )
 
 
@@ -162,7 +169,7 @@ class PacklossGRPOTrainer(GRPOTrainer):
     def _trl_rules(self, mode: str) -> bool:
         return self.packloss_normalization == "trl" or mode == "eval"
 
-    def _components(self, members: Tensor, rows: int, mode: str) -> dict[str, Component]:
+    def _components(self, members: Tensor, rows: int, mode: str, entropy: Tensor | None) -> dict[str, Component]:
         components = self.packloss_recipe.for_bin(members)
         for name, comp in components.items():
             if comp.constant is not None and self._trl_rules(mode):
@@ -170,10 +177,29 @@ class PacklossGRPOTrainer(GRPOTrainer):
                 configured = self.args.per_device_train_batch_size * self.args.gradient_accumulation_steps
                 constant = comp.constant * rows * self._accumulation(mode) / configured
                 components[name] = Component(comp.loss, members, None, comp.normalize, constant)
+        if entropy is not None:
+            self._keep_high_entropy(components, members, entropy)
         return components
 
-    def _packloss_plan(self, inputs: dict[str, Any], mode: str) -> tuple[Plan, PaddedBatch]:
-        """The plan of TRL's micro-batch ``inputs`` and the batch that packs its ``[B, T]`` tensors."""
+    def _keep_high_entropy(self, components: dict[str, Component], members: Tensor, entropy: Tensor) -> None:
+        """TRL's high-entropy mask (``top_entropy_quantile < 1``), in place: the policy gradient's threshold
+        over this call's loss tokens on every rank (``entropy [N]``; with several processes one
+        ``all_gather``, sized by one ``all_reduce`` and host read, as TRL's ``pad_across_processes``), and
+        the entropy bonus over the kept tokens (TRL's ``mask * entropy_mask``)."""
+        pg = components[POLICY]
+        top = pg.loss.top_entropy
+        if top is None:
+            return
+        top = top.over([entropy], [members], all_gather=self.accelerator.num_processes > 1)
+        components[POLICY] = replace(pg, loss=replace(pg.loss, top_entropy=top))
+        if "entropy" in components:
+            components["entropy"] = replace(components["entropy"], mask=top.keep(entropy, members))
+
+    def _packloss_plan(
+        self, inputs: dict[str, Any], mode: str, entropies: Tensor | None = None
+    ) -> tuple[Plan, PaddedBatch]:
+        """The plan of TRL's micro-batch ``inputs`` and the batch that packs its ``[B, T]`` tensors; with
+        the forward's ``entropies`` ``[B, T]``, the high-entropy mask's threshold (:meth:`_keep_high_entropy`)."""
         completion_mask = inputs["completion_mask"]  # [B, T]
         loss_mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
         rows, width = completion_mask.shape
@@ -185,7 +211,7 @@ class PacklossGRPOTrainer(GRPOTrainer):
         if sampling is not None and old is not None:
             sampling = torch.where(torch.isnan(sampling), old, sampling)  # vLLM gave no log-prob: ρ = 1, as TRL
         plan = batch.plan(
-            self._components(batch.members, rows, mode),
+            self._components(batch.members, rows, mode, batch.pack(entropies, "entropies")),
             rollout_logprobs=sampling,
             old_logprobs=old,
             ref_logprobs=inputs.get("ref_per_token_logps"),
@@ -249,7 +275,7 @@ class PacklossGRPOTrainer(GRPOTrainer):
             compute_aux_loss=self.aux_loss_enabled,
             **{key: inputs.get(key) for key in _FORWARD_KWARGS},
         )
-        plan, batch = self._packloss_plan(inputs, mode)
+        plan, batch = self._packloss_plan(inputs, mode, entropies)
         outputs = batch.outputs(logprobs=per_token_logps, entropy=entropies)
         if self.use_adaptive_entropy:
             self._apply_entropy_coef()
